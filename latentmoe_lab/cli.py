@@ -1,0 +1,91 @@
+"""`latentmoe-lab`: the command-line entry point.
+
+    latentmoe-lab smoke                 tiny model: prefill + decode, a compact report and an HTML report
+    latentmoe-lab info --preset k3-2.8t parameter and byte table for a preset (built on the meta device)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from latentmoe_lab.config import PRESETS, ModelConfig
+
+
+def _progress_printer():
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {message} ...", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    from latentmoe_lab.report import write_html_report
+    from latentmoe_lab.smoke import report_sections, run_smoke
+
+    progress = _progress_printer()
+    report = run_smoke(args.preset, args.prompt, args.new_tokens, args.seed, progress=progress)
+    progress("writing the HTML report")
+    path = write_html_report(args.report, f"LatentMoE Lab smoke run ({args.preset})", report_sections(report))
+    print(report.summary())
+    print(f"HTML report: {path}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from latentmoe_lab.meta import count_parameters, parameter_table
+
+    config = ModelConfig.from_preset(args.preset)
+    _progress_printer()(f"building {args.preset} on the meta device (no memory is allocated)")
+    if args.json:
+        print(json.dumps(count_parameters(config), indent=2))
+    else:
+        print(f"preset {args.preset}: {config.num_layers} layers "
+              f"({config.num_kda_layers} KDA, {config.num_dsa_layers} Gated DSA), hidden {config.hidden_size}, "
+              f"{config.moe.num_experts} experts top-{config.moe.top_k}, latent {config.moe.latent_size}")
+        print(parameter_table(config))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from latentmoe_lab.smoke import DEFAULT_PROMPT
+
+    parser = argparse.ArgumentParser(
+        prog="latentmoe-lab",
+        description="LatentMoE Lab: a readable reproduction of a 2.8T hybrid-attention sparse MoE "
+                    "(Stable LatentMoE experts, 3 KDA : 1 Gated DSA attention).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    presets = sorted(PRESETS)
+
+    smoke = sub.add_parser("smoke", help="run a small preset end to end and report speed, load and cache bytes",
+                           description="Build a preset with random weights, prefill a prompt, decode greedily, and "
+                                       "print parameters, tokens/s, per-layer expert load and cache bytes. "
+                                       "Also writes a self-contained HTML report with plotly charts.")
+    smoke.add_argument("--preset", default="tiny", choices=[p for p in presets if p != "k3-2.8t"],
+                       help="model preset (default: tiny)")
+    smoke.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (byte-level tokens)")
+    smoke.add_argument("--new-tokens", type=int, default=16, help="tokens to decode (default: 16)")
+    smoke.add_argument("--seed", type=int, default=0, help="seed for the random weights (default: 0)")
+    smoke.add_argument("--report", default="reports/smoke.html", help="HTML report path (default: %(default)s)")
+    smoke.set_defaults(func=cmd_smoke)
+
+    info = sub.add_parser("info", help="parameter and byte table of a preset",
+                          description="Count total and active-per-token parameters by component, and weight "
+                                      "bytes per format, by building the preset on the meta device.")
+    info.add_argument("--preset", default="k3-2.8t", choices=presets, help="model preset (default: k3-2.8t)")
+    info.add_argument("--json", action="store_true", help="print the counts as JSON")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""nn.Modules of the model: attention (KDA, Gated DSA), FFNs (dense SwiGLU, LatentMoE), norms."""
+from latentmoe_lab.layers.dsa import GatedDSA, LightningIndexer
+from latentmoe_lab.layers.ffn import SwiGLU
+from latentmoe_lab.layers.kda import KimiDeltaAttention
+from latentmoe_lab.layers.moe import Dispatcher, LatentExperts, LatentMoE, LocalDispatcher
+from latentmoe_lab.layers.norm import RMSNorm
+
+__all__ = ["GatedDSA", "LightningIndexer", "SwiGLU", "KimiDeltaAttention", "Dispatcher", "LatentExperts",
+           "LatentMoE", "LocalDispatcher", "RMSNorm"]

@@ -1,0 +1,138 @@
+"""Kimi Delta Attention layer (DESIGN 1.3): projections, short conv, gates and the KDA op.
+
+    q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x)))
+    v    = SiLU(ShortConv(W_v x))
+    beta = sigmoid(W_b x)                                    one per head
+    g    = forget gate, one log decay per key channel        ("lower_bound" or "softplus")
+    out  = W_o [ RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_g x) ]
+
+The three short convs are one depthwise causal conv over the concatenated q|k|v
+channels, so a decode step carries a single conv tail [B, channels, kernel-1].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from latentmoe_lab.cache import KDALayerCache
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.layers.norm import RMSNorm
+from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
+from latentmoe_lab.ops.norms import l2_norm
+
+# Initial per-step decay rate dt = softplus(dt_bias), log-uniform in this range (as in Mamba):
+# small dt means slow forgetting at the start of training, in both gate forms.
+DT_INIT_RANGE = (1e-3, 1e-1)
+# exp(A_log) starts uniform in this range: per-head spread of decay speeds.
+A_INIT_RANGE = (1.0, 16.0)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer. forward(x [B, T, hidden], cache) -> [B, T, hidden]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        kda = config.kda
+        hidden = config.hidden_size
+        self.num_heads = kda.num_heads
+        self.head_dim_k = kda.head_dim_k
+        self.head_dim_v = kda.head_dim_v
+        self.conv_kernel = kda.conv_kernel
+        self.chunk_size = kda.chunk_size
+        self.gate_form = kda.gate_form
+        self.gate_lower_bound = kda.gate_lower_bound
+        key_width = kda.num_heads * kda.head_dim_k
+        value_width = kda.num_heads * kda.head_dim_v
+        self.conv_channels = 2 * key_width + value_width
+
+        self.q_proj = nn.Linear(hidden, key_width, bias=False)
+        self.k_proj = nn.Linear(hidden, key_width, bias=False)
+        self.v_proj = nn.Linear(hidden, value_width, bias=False)
+        self.conv = nn.Conv1d(self.conv_channels, self.conv_channels, kda.conv_kernel,
+                              groups=self.conv_channels, bias=False)
+        self.b_proj = nn.Linear(hidden, kda.num_heads, bias=False)
+
+        self.f_down = nn.Linear(hidden, kda.gate_rank, bias=False)
+        self.f_up = nn.Linear(kda.gate_rank, key_width, bias=False)
+        self.A_log = nn.Parameter(torch.empty(kda.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(key_width))
+
+        if kda.output_gate_rank is None:
+            self.g_proj = nn.Linear(hidden, value_width, bias=False)
+        else:
+            self.g_proj = nn.Sequential(nn.Linear(hidden, kda.output_gate_rank, bias=False),
+                                        nn.Linear(kda.output_gate_rank, value_width, bias=False))
+        self.o_norm = RMSNorm(kda.head_dim_v, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(value_width, hidden, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """A_log = log U[1, 16]; dt_bias = softplus^-1(dt) with dt log-uniform in [1e-3, 1e-1]."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*A_INIT_RANGE).log())
+        low, high = (math.log(x) for x in DT_INIT_RANGE)
+        dt = torch.empty_like(self.dt_bias).uniform_(low, high).exp()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-space decay g [B, T, H, d_k] in fp32: in [lower_bound, 0] or, for "softplus", <= 0."""
+        logits = rearrange(self.f_up(self.f_down(x)).float() + self.dt_bias.float(),
+                           "b t (h d) -> b t h d", h=self.num_heads)
+        rate = self.A_log.float().exp()[:, None]  # [H, 1]
+        if self.gate_form == "lower_bound":
+            return self.gate_lower_bound * torch.sigmoid(rate * logits)
+        return -rate * F.softplus(logits)
+
+    def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]. A cache is read, then updated in place."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected shape [B, T, {self.q_proj.in_features}], got {shape}")
+        if cache is not None and not isinstance(cache, KDALayerCache):
+            raise TypeError(f"cache: expected KDALayerCache or None, got {type(cache).__name__}")
+        seq_len = x.shape[1]
+
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = F.silu(self._short_conv(qkv, cache))
+        key_width = self.num_heads * self.head_dim_k
+        q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads)
+                   for t in qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1))
+        q, k = l2_norm(q, eps=1e-6), l2_norm(k, eps=1e-6)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g = self.forget_gate(x)
+
+        initial_state = None if cache is None else cache.recurrent_state
+        keep_state = cache is not None
+        if seq_len == 1:
+            out, state = kda_recurrent(q, k, v, g, beta, initial_state=initial_state,
+                                       output_final_state=keep_state)
+        else:
+            out, state = kda_chunked(q, k, v, g, beta, initial_state=initial_state,
+                                     output_final_state=keep_state, chunk_size=self.chunk_size)
+        if keep_state:
+            cache.recurrent_state = state
+
+        gate = rearrange(torch.sigmoid(self.g_proj(x)), "b t (h d) -> b t h d", h=self.num_heads)
+        out = self.o_norm(out) * gate
+        return self.o_proj(rearrange(out, "b t h d -> b t (h d)"))
+
+    def _short_conv(self, qkv: torch.Tensor, cache: KDALayerCache | None) -> torch.Tensor:
+        """Depthwise causal conv over [B, T, channels]; the kernel-1 tail comes from / goes to the cache."""
+        batch = qkv.shape[0]
+        history = self.conv_kernel - 1
+        channels_first = rearrange(qkv, "b t c -> b c t")
+        tail = None if cache is None else cache.conv_state
+        if tail is None:
+            tail = channels_first.new_zeros(batch, self.conv_channels, history)
+        elif tail.shape != (batch, self.conv_channels, history):
+            raise ValueError(f"cache.conv_state: expected shape [B, channels, kernel-1] = "
+                             f"{(batch, self.conv_channels, history)}, got {tuple(tail.shape)}")
+        padded = torch.cat([tail.to(channels_first.dtype), channels_first], dim=-1)
+        if cache is not None:
+            # clone: a view would keep the whole prefill buffer alive
+            cache.conv_state = padded[..., padded.shape[-1] - history:].clone()
+        return rearrange(self.conv(padded), "b c t -> b t c")

@@ -1,0 +1,197 @@
+"""Stable LatentMoE layer (DESIGN.md section 1.2).
+
+    s, I, w = route(x)                          fp32 sigmoid router on the full-width x, bias for selection
+    z       = W_down x                          tokens travel to experts in the latent size l < d
+    y       = W_up RMSNorm_l( sum_{i in I} w_i Expert_i(z) ) + Shared(x)
+
+The routed path runs in four separate steps so that expert parallelism can be
+attached from outside by replacing `layer.dispatcher` (and `layer.experts` with
+the local shard):
+
+1. route      `layer.route(x [N, d]) -> (weights [N, K] fp32, indices [N, K] int64)`
+2. dispatch   `dispatcher.dispatch(z [N, l], indices) -> (z_perm [M, l], counts [E_local] int64, ctx)`
+              z_perm holds the rows this rank's experts must process, expert-major:
+              rows counts[:e].sum() : counts[:e+1].sum() belong to local expert e.
+3. experts    `layer.experts(z_perm, counts) -> y_perm [M, l]`
+4. combine    `dispatcher.combine(y_perm, weights, ctx) -> [N, l] fp32`, the *complete*
+              weighted sum over all K experts of each token (across ranks for an
+              expert-parallel dispatcher), because RMSNorm_l of a partial sum is wrong.
+
+`LocalDispatcher` is the single-device version built on `ops.routing`.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.layers.ffn import SwiGLU
+from latentmoe_lab.layers.norm import RMSNorm
+from latentmoe_lab.ops.routing import combine, grouped_matmul, permute, plan_dispatch, route_topk, route_topk_reference
+
+
+class Dispatcher(Protocol):
+    """Moves latent tokens to their experts and the weighted results back (steps 2 and 4 above)."""
+
+    def dispatch(self, z: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+    def combine(self, y_perm: torch.Tensor, weights: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """All experts on this device: a stable sort by expert id, then a fp32 index_add back."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(self, z: torch.Tensor, indices: torch.Tensor):
+        plan = plan_dispatch(indices, self.num_experts)
+        return permute(z, plan), plan.counts, (plan, z.shape[0])
+
+    def combine(self, y_perm: torch.Tensor, weights: torch.Tensor, ctx) -> torch.Tensor:
+        plan, num_tokens = ctx
+        return combine(y_perm, weights, plan, num_tokens)
+
+
+def _glu(gate_up: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    """[..., 2*inter] (gate | up) -> silu(gate) * up, optionally clamped to [-clamp, clamp]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    product = F.silu(gate) * up
+    return product if clamp is None else product.clamp(-clamp, clamp)
+
+
+class LatentExperts(nn.Module):
+    """E SwiGLU experts in the latent width, stored stacked for grouped matmuls.
+
+    w13: [E, latent, 2*inter] (gate | up), w2: [E, inter, latent].
+    """
+
+    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int,
+                 activation_clamp: float | None = None):
+        super().__init__()
+        self.activation_clamp = activation_clamp
+        self.w13 = nn.Parameter(torch.empty(num_experts, latent_size, 2 * intermediate_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
+
+    def forward(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """z_perm [M, latent] expert-major, counts [E] rows per expert -> [M, latent]."""
+        if counts.dim() != 1 or counts.shape[0] != self.w13.shape[0]:
+            raise ValueError(f"counts: expected shape ({self.w13.shape[0]},) [E], got {tuple(counts.shape)}")
+        offsets = counts.cumsum(0)
+        hidden = _glu(grouped_matmul(z_perm, self.w13, offsets), self.activation_clamp)
+        return grouped_matmul(hidden, self.w2, offsets)
+
+    def expert_reference(self, z: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert_e(z) for one latent token z [latent] -> [latent], the textbook form."""
+        return _glu(z @ self.w13[expert], self.activation_clamp) @ self.w2[expert]
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE. x [B, T, hidden] -> [B, T, hidden]; `last_expert_counts` [E] after each forward."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+        moe = config.moe
+        self.hidden_size = config.hidden_size
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group
+        self.routed_scaling = moe.routed_scaling_factor
+        self.bias_update_rate = moe.bias_update_rate
+        self.init_std = config.initializer_range
+
+        self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.register_buffer("correction_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+        self.down = nn.Linear(config.hidden_size, moe.latent_size, bias=False)
+        self.experts = LatentExperts(moe.num_experts, moe.latent_size, moe.expert_intermediate_size,
+                                     moe.activation_clamp)
+        self.latent_norm = RMSNorm(moe.latent_size, eps=config.rms_norm_eps)
+        self.up = nn.Linear(moe.latent_size, config.hidden_size, bias=False)
+        # n shared experts of width inter sum to one SwiGLU of width n * inter.
+        self.shared = (SwiGLU(config.hidden_size, moe.num_shared_experts * moe.expert_intermediate_size)
+                       if moe.num_shared_experts else None)
+        self.dispatcher: Dispatcher = LocalDispatcher(moe.num_experts)
+        self.last_expert_counts = torch.zeros(moe.num_experts, dtype=torch.int64)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.init_std)
+        nn.init.normal_(self.experts.w13, std=self.init_std)
+        nn.init.normal_(self.experts.w2, std=self.init_std)
+        nn.init.ones_(self.latent_norm.weight)
+        self.correction_bias.zero_()
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        # Module.to(dtype) casts floating buffers too; the bias sums 1e-3 steps and must stay fp32.
+        self.correction_bias = self.correction_bias.float()
+        return self
+
+    # ------------------------------------------------------------------ steps
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> fp32 logits [N, E], whatever the storage dtype."""
+        return F.linear(x.float(), self.router.weight.float())
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, K] fp32, indices [N, K] int64)."""
+        return route_topk(self.router_logits(x), self.top_k, bias=self.correction_bias, n_group=self.n_group,
+                          topk_group=self.topk_group, renormalize=True, scaling=self.routed_scaling)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected 3 dims [B, T, hidden={self.hidden_size}], got shape {shape}")
+        if not x.is_floating_point():
+            raise TypeError(f"x: expected a floating dtype, got {x.dtype}")
+
+    def _finish(self, mixed: torch.Tensor, x_nd: torch.Tensor, batch: int) -> torch.Tensor:
+        """Latent RMSNorm on the complete fp32 expert sum [N, latent], up-projection, shared experts."""
+        out = self.up(self.latent_norm(mixed).to(x_nd.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x_nd)
+        return rearrange(out, "(b t) d -> b t d", b=batch)
+
+    # --------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        x_nd = rearrange(x, "b t d -> (b t) d")
+        weights, indices = self.route(x_nd)
+        z_perm, counts, ctx = self.dispatcher.dispatch(self.down(x_nd), indices)
+        mixed = self.dispatcher.combine(self.experts(z_perm, counts), weights, ctx)
+        # Counted from the routing itself: an expert-parallel dispatcher only sees its local experts.
+        self.last_expert_counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts).detach()
+        return self._finish(mixed, x_nd, x.shape[0])
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Twin of `forward`: route each token alone, then loop over its selected experts."""
+        self._check_input(x)
+        x_nd = rearrange(x, "b t d -> (b t) d")
+        weights, indices = route_topk_reference(
+            self.router_logits(x_nd), self.top_k, bias=self.correction_bias, n_group=self.n_group,
+            topk_group=self.topk_group, renormalize=True, scaling=self.routed_scaling)
+        rows = []
+        for token, x_row in enumerate(x_nd):
+            z = self.down(x_row)
+            acc = torch.zeros(z.shape[-1], dtype=torch.float32, device=x.device)
+            for weight, expert in zip(weights[token], indices[token].tolist()):
+                acc = acc + weight * self.experts.expert_reference(z, expert).float()
+            rows.append(acc)
+        mixed = torch.stack(rows) if rows else x_nd.new_zeros(0, self.down.out_features, dtype=torch.float32)
+        return self._finish(mixed, x_nd, x.shape[0])
+
+    # -------------------------------------------------------------- balancing
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing: b <- b + u * sign(mean(c) - c). counts: [E] tokens per expert."""
+        if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (self.num_experts,):
+            shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+            raise ValueError(f"counts: expected shape ({self.num_experts},) [E], got {shape}")
+        load = counts.to(device=self.correction_bias.device, dtype=torch.float32)
+        self.correction_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))

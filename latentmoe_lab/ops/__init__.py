@@ -1,0 +1,12 @@
+"""Pure-PyTorch reference ops, each readable next to its math in DESIGN.md."""
+from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
+from latentmoe_lab.ops.norms import l2_norm, rms_norm
+from latentmoe_lab.ops.routing import (DispatchPlan, combine, grouped_matmul, grouped_matmul_reference, permute,
+                                       plan_dispatch, route_topk, route_topk_reference)
+from latentmoe_lab.ops.sparse_attention import dense_causal_attention, index_scores, select_topk, sparse_attention
+
+__all__ = [
+    "kda_chunked", "kda_recurrent", "l2_norm", "rms_norm", "DispatchPlan", "combine", "grouped_matmul",
+    "grouped_matmul_reference", "permute", "plan_dispatch", "route_topk", "route_topk_reference",
+    "dense_causal_attention", "index_scores", "select_topk", "sparse_attention",
+]
