@@ -8,7 +8,7 @@ TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lab clean
+.PHONY: setup demo test lab clean notebooks
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,7 @@ lab: $(STAMP)
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache
+
+# Re-create every notebooks/NN_*.ipynb from its jupytext .py source and execute it at full size.
+notebooks: $(STAMP)
+	cd notebooks && for f in [0-9][0-9]_*.py; do ../$(VENV)/bin/jupytext --to ipynb --execute "$$f" || exit 1; done

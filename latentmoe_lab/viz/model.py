@@ -1,4 +1,4 @@
-"""Plotly figure builders: pure functions from numbers to `go.Figure`, shared by the CLI and notebooks."""
+"""Figures about the whole model: parameters by component, expert load, cache bytes."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
