@@ -25,24 +25,57 @@ class KDALayerCache:
 
 @dataclass
 class DSALayerCache:
-    """latent: [B, S, kv_lora_rank]; k_rope: [B, S, rope_dim]; index_keys: [B, S, d_I]."""
+    """latent: [B, S, kv_lora_rank]; k_rope: [B, S, rope_dim]; index_keys: [B, S, d_I].
+
+    After an append the three are views into two buffers that double their capacity when full, so a
+    decode step writes one token instead of copying the whole cache. One buffer holds [c_kv | k_rope]
+    per token: `absorbed_keys` is that [B, S, kv_lora_rank + rope_dim] key of absorbed MLA, copy-free.
+    The buffers are written in place (an inference cache: no gradient flows through old entries).
+    """
 
     latent: torch.Tensor | None = None
     k_rope: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        self._keys: torch.Tensor | None = None  # [B, capacity, kv_lora_rank + rope_dim]
+        self._index: torch.Tensor | None = None  # [B, capacity, d_I]
+
     @property
     def length(self) -> int:
         return 0 if self.latent is None else self.latent.shape[1]
 
-    def append(self, latent: torch.Tensor, k_rope: torch.Tensor, index_keys: torch.Tensor) -> None:
-        """Append new tokens ([B, T, *] each) along the sequence dim."""
-        def cat(old, new):
-            return new if old is None else torch.cat([old, new], dim=1)
+    @property
+    def absorbed_keys(self) -> torch.Tensor | None:
+        """[B, S, kv_lora_rank + rope_dim]: c_kv and k_rope side by side (a view when the buffers hold them)."""
+        if self.latent is None:
+            return None
+        if self._keys is not None and self.latent.data_ptr() == self._keys.data_ptr():
+            return self._keys[:, :self.length]
+        return torch.cat([self.latent, self.k_rope], dim=-1)
 
-        self.latent = cat(self.latent, latent)
-        self.k_rope = cat(self.k_rope, k_rope)
-        self.index_keys = cat(self.index_keys, index_keys)
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor, index_keys: torch.Tensor) -> None:
+        """Append new tokens ([B, T, *] each) along the sequence dim; amortised O(T) per call."""
+        old, new = self.length, self.length + latent.shape[1]
+        keys = torch.cat([latent, k_rope], dim=-1)
+        if self._keys is None or self._keys.shape[1] < new or self.latent.data_ptr() != self._keys.data_ptr():
+            self._keys = _grown(self.absorbed_keys, keys, new)
+            self._index = _grown(self.index_keys, index_keys, new)
+        self._keys[:, old:new] = keys
+        self._index[:, old:new] = index_keys
+        latent_dim = latent.shape[-1]
+        self.latent = self._keys[:, :new, :latent_dim]
+        self.k_rope = self._keys[:, :new, latent_dim:]
+        self.index_keys = self._index[:, :new]
+
+
+def _grown(held: torch.Tensor | None, incoming: torch.Tensor, needed: int) -> torch.Tensor:
+    """A buffer [B, capacity, D] with room for `needed` tokens (at least double the old), `held` copied in."""
+    old = 0 if held is None else held.shape[1]
+    buffer = incoming.new_empty(incoming.shape[0], max(needed, 2 * old), incoming.shape[-1])
+    if held is not None:
+        buffer[:, :old] = held
+    return buffer
 
 
 class HybridCache:

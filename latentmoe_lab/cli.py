@@ -1,7 +1,8 @@
 """`latentmoe-lab`: the command-line entry point.
 
-    latentmoe-lab smoke                 tiny model: prefill + decode, a compact report and an HTML report
+    latentmoe-lab smoke                 tiny model: image + text prefill, decode, a compact report and an HTML report
     latentmoe-lab info --preset k3-2.8t parameter and byte table for a preset (built on the meta device)
+    latentmoe-lab parallel --ep 2 --tp 2 --nproc 4   a parallel layout as local processes, checked against one
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     from latentmoe_lab.smoke import report_sections, run_smoke
 
     progress = _progress_printer()
-    report = run_smoke(args.preset, args.prompt, args.new_tokens, args.seed, progress=progress)
+    report = run_smoke(args.preset, args.prompt, args.new_tokens, args.seed, progress=progress, image=args.image)
     progress("writing the HTML report")
     path = write_html_report(args.report, f"LatentMoE Lab smoke run ({args.preset})", report_sections(report))
     print(report.summary())
@@ -50,7 +51,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parallel(args: argparse.Namespace) -> int:
+    from latentmoe_lab.parallel.runs import layout_from_args, layout_summary, report_ok, run_layouts
+
+    pconfig, settings = layout_from_args(args)
+    if args.nproc is not None and args.nproc != pconfig.world_size:
+        raise SystemExit(f"--nproc: layout {pconfig.name()} needs ep*tp*pp*dp*cp = {pconfig.world_size} "
+                         f"processes, got {args.nproc}")
+    _progress_printer()(f"launching {pconfig.world_size} processes for {pconfig.name()}")
+    report = run_layouts([pconfig], settings)[0]
+    print(layout_summary(report))
+    return 0 if report_ok(report) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from latentmoe_lab.parallel.runs import add_layout_arguments
     from latentmoe_lab.smoke import DEFAULT_PROMPT
 
     parser = argparse.ArgumentParser(
@@ -62,12 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     presets = sorted(PRESETS)
 
     smoke = sub.add_parser("smoke", help="run a small preset end to end and report speed, load and cache bytes",
-                           description="Build a preset with random weights, prefill a prompt, decode greedily, and "
-                                       "print parameters, tokens/s, per-layer expert load and cache bytes. "
-                                       "Also writes a self-contained HTML report with plotly charts.")
+                           description="Build a preset with random weights, prefill a mixed image + text prompt, "
+                                       "decode greedily, and print parameters, tokens/s, per-layer expert load "
+                                       "(also split by text and image tokens) and cache bytes. Also writes a "
+                                       "self-contained HTML report with plotly charts.")
     smoke.add_argument("--preset", default="tiny", choices=[p for p in presets if p != "k3-2.8t"],
                        help="model preset (default: tiny)")
-    smoke.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (byte-level tokens)")
+    smoke.add_argument("--prompt", default=DEFAULT_PROMPT,
+                       help="prompt text (byte-level tokens); the image goes at an '<image>' marker, else first")
+    smoke.add_argument("--image", default=None, metavar="PATH",
+                       help="image file for the prompt (default: a procedurally drawn 112x112 shape)")
     smoke.add_argument("--new-tokens", type=int, default=16, help="tokens to decode (default: 16)")
     smoke.add_argument("--seed", type=int, default=0, help="seed for the random weights (default: 0)")
     smoke.add_argument("--report", default="reports/smoke.html", help="HTML report path (default: %(default)s)")
@@ -79,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--preset", default="k3-2.8t", choices=presets, help="model preset (default: k3-2.8t)")
     info.add_argument("--json", action="store_true", help="print the counts as JSON")
     info.set_defaults(func=cmd_info)
+
+    par = sub.add_parser("parallel", help="run a parallel layout as local processes and check it",
+                         description="Launch --nproc local processes (accelerate notebook_launcher, gloo on CPU), "
+                                     "shard a small preset with the layout, and compare logits and greedy tokens "
+                                     "with one process, and the collectives' bytes with the planner.")
+    add_layout_arguments(par)
+    par.add_argument("--nproc", type=int, default=None, help="processes; must equal ep*tp*pp*dp*cp (default)")
+    par.set_defaults(func=cmd_parallel)
     return parser
 
 

@@ -82,6 +82,11 @@ class VisionConfig:
     num_heads: int = 16
     intermediate_size: int = 4304
     merge_size: int = 2  # 2x2 patch merger
+    # Token ids the text side uses for an image span: start, one placeholder per merged patch, end.
+    # The defaults are the byte tokenizer's first free ids (latentmoe_lab.tokenizer.SPECIAL_TOKENS).
+    image_token_id: int = 256
+    image_start_id: int = 257
+    image_end_id: int = 258
 
 
 @dataclass
@@ -187,6 +192,8 @@ class ModelConfig:
                    f"({m.top_k}) exceeds the experts in the kept groups ({m.topk_group} x {per_group})")
         _check(m.routed_scaling_factor > 0, "moe.routed_scaling_factor", "must be > 0")
         _check(m.bias_update_rate >= 0, "moe.bias_update_rate", "must be >= 0")
+        _check(m.aux_loss_alpha >= 0, "moe.aux_loss_alpha", "must be >= 0")
+        _check(m.z_loss_coef >= 0, "moe.z_loss_coef", "must be >= 0")
         _check(m.activation_clamp is None or m.activation_clamp > 0, "moe.activation_clamp",
                "must be None or > 0")
 
@@ -207,6 +214,16 @@ class ModelConfig:
                 _check(isinstance(value, int) and value >= 1, f"vision.{name}", f"must be a positive integer, got {value!r}")
             _check(v.hidden_size % v.num_heads == 0, "vision.num_heads",
                    f"({v.num_heads}) must divide vision.hidden_size ({v.hidden_size})")
+            _check((v.hidden_size // v.num_heads) % 4 == 0, "vision.num_heads",
+                   f"2D rotary positions need a head dim divisible by 4, got "
+                   f"{v.hidden_size} / {v.num_heads} = {v.hidden_size // v.num_heads}")
+            ids = {"vision.image_token_id": v.image_token_id, "vision.image_start_id": v.image_start_id,
+                   "vision.image_end_id": v.image_end_id}
+            for name, value in ids.items():
+                _check(isinstance(value, int) and 0 <= value < self.vocab_size, name,
+                       f"must be a token id in [0, vocab_size={self.vocab_size}), got {value!r}")
+            _check(len(set(ids.values())) == 3, "vision.image_token_id",
+                   f"image placeholder, start and end ids must differ, got {sorted(ids.values())}")
 
     # --------------------------------------------------------------------- I/O
     def to_dict(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ The model is built under accelerate's `init_empty_weights`, then every parameter
 assigned to a component by where it lives in the module tree. "Active" counts the
 parameters one token touches: everything except the embeddings, with routed experts
 scaled by top_k / num_experts (each token runs top_k of the E experts in a layer).
+The vision tower counts as active: it is dense, and every image token comes out of all of it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from accelerate import init_empty_weights
 from latentmoe_lab.config import ModelConfig
 
 COMPONENTS = ("embeddings", "kda", "mla", "indexer", "router", "latent_projection", "routed_experts",
-              "shared_experts", "dense_ffn", "norms")
+              "shared_experts", "dense_ffn", "norms", "vision")
 
 # Bits per weight. MXFP4: 4-bit values plus one 8-bit shared scale per block of 32.
 # FP8: 8 bits plus one fp32 scale per 128x128 block.
@@ -32,6 +33,8 @@ def build_meta_model(config: ModelConfig):
 def component_of(param_name: str, model) -> str:
     """Map a parameter name of LatentMoEForCausalLM to one of COMPONENTS."""
     parts = param_name.split(".")
+    if parts[0] == "vision":
+        return "vision"
     if parts[0] in ("embed_tokens", "lm_head"):
         return "embeddings"
     if parts[0] == "norm" or parts[2] in ("attn_norm", "ffn_norm"):

@@ -1,7 +1,10 @@
-"""The smoke run: build a small preset, prefill a prompt, decode, and measure what a serving engineer looks at.
+"""The smoke run: build a small preset, prefill a mixed image + text prompt, decode, and measure what a
+serving engineer looks at.
 
-Returns a SmokeReport with parameters, prefill / decode throughput, per-layer expert load and cache bytes;
-`report_sections` turns it into text and plotly figures for the HTML report.
+The prompt is one image (a procedurally drawn shape unless the caller passes one) followed by text, in
+one sequence. Returns a SmokeReport with parameters, prefill / decode throughput, per-layer expert load
+(also split by text and image tokens) and cache bytes; `report_sections` turns it into text and plotly
+figures for the HTML report.
 """
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.meta import count_parameters, format_bytes, format_count
 from latentmoe_lab.model import LatentMoEForCausalLM
-from latentmoe_lab.tokenizer import ByteTokenizer
+from latentmoe_lab.multimodal import IMAGE_MARKER, ImageTextProcessor, ModalityRouting, make_sample, unpatchify
+from latentmoe_lab.multimodal.routing_stats import routing_by_modality
 from latentmoe_lab import viz
+from latentmoe_lab.viz import multimodal as viz_multimodal
 
 DEFAULT_PROMPT = ("LatentMoE Lab smoke run: three KDA blocks for every Gated DSA block, "
                   "sixteen of many latent experts per token, one shared sequence for text and images.")
@@ -33,6 +38,12 @@ class SmokeReport:
     expert_load: dict[str, list[int]]  # layer label -> tokens per expert (prefill + decode)
     cache_bytes: dict[str, int]
     generated_text: str
+    image_tokens: int  # placeholders in the prompt (the rest of prompt_tokens is text)
+    image: torch.Tensor  # [3, H, W] in [0, 1], as the vision tower saw it (resized to whole merge windows)
+    patch_size: int
+    merge_size: int
+    modality: ModalityRouting  # prefill routing split by text / image tokens
+    prompt_kinds: list[str]  # token kind per prompt position (text, image, image_start, image_end)
 
     def max_over_mean(self) -> dict[str, float]:
         return {layer: max(c) / (sum(c) / len(c)) for layer, c in self.expert_load.items() if sum(c)}
@@ -41,11 +52,15 @@ class SmokeReport:
         lines = [
             f"preset {self.preset}: {format_count(self.params['total'])} parameters, "
             f"{format_count(self.params['active'])} active per token",
+            f"prompt: {self.prompt_tokens} tokens = {self.image_tokens} image + "
+            f"{self.prompt_tokens - self.image_tokens} text (a {self.image.shape[1]}x{self.image.shape[2]} image, "
+            f"patch {self.patch_size}, {self.merge_size}x{self.merge_size} merge)",
             f"prefill: {self.prompt_tokens} tokens at {self.prefill_tokens_per_s:,.0f} tokens/s",
             f"decode:  {self.new_tokens} tokens at {self.decode_tokens_per_s:,.1f} tokens/s",
             "expert load (max/mean tokens per expert):",
         ]
         lines += [f"  {layer}: {ratio:.2f}" for layer, ratio in self.max_over_mean().items()]
+        lines.append("routing by modality (prefill): " + self.modality.summary())
         lines.append("cache bytes: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.cache_bytes.items())
                      + f" (total {format_bytes(sum(self.cache_bytes.values()))})")
         lines.append(f"generated (random weights, so noise): {self.generated_text!r}")
@@ -53,8 +68,12 @@ class SmokeReport:
 
 
 def run_smoke(preset: str = "tiny", prompt: str = DEFAULT_PROMPT, new_tokens: int = 16, seed: int = 0,
-              progress: Callable[[str], None] = lambda message: None) -> SmokeReport:
-    """Build `preset` with seeded random weights, prefill `prompt`, greedy-decode `new_tokens` tokens."""
+              progress: Callable[[str], None] = lambda message: None, image=None) -> SmokeReport:
+    """Build `preset` with seeded random weights, prefill image + `prompt`, greedy-decode `new_tokens` tokens.
+
+    image: a PIL image, file path or tensor [3, H, W]; None draws a 112x112 shape (16 image tokens).
+    It goes where `prompt` has an "<image>" marker, or first when the prompt has none.
+    """
     if new_tokens < 1:
         raise ValueError(f"new_tokens: must be >= 1, got {new_tokens}")
     config = ModelConfig.from_preset(preset)
@@ -62,8 +81,11 @@ def run_smoke(preset: str = "tiny", prompt: str = DEFAULT_PROMPT, new_tokens: in
     torch.manual_seed(seed)
     model = LatentMoEForCausalLM(config).eval()
     params = count_parameters(config)
-    tokenizer = ByteTokenizer(config.vocab_size)
-    input_ids = tokenizer.encode(prompt)
+    processor = ImageTextProcessor(config)
+    if image is None:
+        image = make_sample("shape", size=112, generator=torch.Generator().manual_seed(seed)).image
+    batch = processor(prompt if IMAGE_MARKER in prompt else IMAGE_MARKER + prompt, [image])
+    input_ids = batch.input_ids
 
     moe_layers = {f"layer {i}": block.ffn for i, block in enumerate(model.layers) if isinstance(block.ffn, LatentMoE)}
     load = {label: torch.zeros(config.moe.num_experts, dtype=torch.int64) for label in moe_layers}
@@ -79,7 +101,7 @@ def run_smoke(preset: str = "tiny", prompt: str = DEFAULT_PROMPT, new_tokens: in
             cache = model.new_cache()
             progress(f"prefill of {input_ids.shape[1]} tokens")
             start = time.perf_counter()
-            logits = model(input_ids, cache=cache).logits[:, -1]
+            logits = model(**batch.model_inputs(), cache=cache).logits[:, -1]
             prefill_s = time.perf_counter() - start
             progress(f"decoding {new_tokens} tokens")
             generated = []
@@ -92,19 +114,33 @@ def run_smoke(preset: str = "tiny", prompt: str = DEFAULT_PROMPT, new_tokens: in
     finally:
         for hook in hooks:
             hook.remove()
+    progress("splitting the prefill routing by modality")
+    vision = config.vision
+    kinds = {vision.image_token_id: "image", vision.image_start_id: "image_start", vision.image_end_id: "image_end"}
     return SmokeReport(
         preset=preset, params=params, prompt_tokens=input_ids.shape[1], new_tokens=new_tokens,
         prefill_tokens_per_s=input_ids.shape[1] / prefill_s, decode_tokens_per_s=new_tokens / decode_s,
         expert_load={label: counts.tolist() for label, counts in load.items()},
-        cache_bytes=cache.nbytes_by_kind(), generated_text=tokenizer.decode(generated),
+        cache_bytes=cache.nbytes_by_kind(), generated_text=processor.decode(generated),
+        image_tokens=int((input_ids == vision.image_token_id).sum()),
+        image=unpatchify(batch.pixel_values, tuple(batch.image_grids[0].tolist()), vision.patch_size,
+                         vision.merge_size, vision.in_channels),
+        patch_size=vision.patch_size, merge_size=vision.merge_size, modality=routing_by_modality(model, batch),
+        prompt_kinds=[kinds.get(i, "text") for i in input_ids[0].tolist()],
     )
 
 
 def report_sections(report: SmokeReport) -> list:
     """Text and figures for `report.write_html_report`."""
     labels = list(report.expert_load)
+    text_share, image_share = report.modality.fractions()
     return [
         report.summary(),
+        viz_multimodal.patch_grid_figure(report.image, report.patch_size, report.merge_size,
+                                         title="The prompt's image: patches, merge windows, one token per window"),
+        viz_multimodal.sequence_layout_figure([report.prompt_kinds], row_labels=["prompt"],
+                                              title="The mixed prompt: image and text tokens in one sequence"),
+        viz_multimodal.modality_routing_figure(text_share, image_share, report.modality.layer_labels),
         viz.parameter_breakdown_figure(report.params["by_component"], title=f"Parameters ({report.preset})"),
         viz.expert_load_figure([report.expert_load[k] for k in labels], labels),
         viz.load_imbalance_figure([report.max_over_mean().get(k, 0.0) for k in labels], labels),

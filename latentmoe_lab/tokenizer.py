@@ -1,13 +1,19 @@
-"""A byte-level tokenizer: token id = UTF-8 byte value. Nothing to download, works for any vocab >= 256."""
+"""A byte-level tokenizer: token id = UTF-8 byte value. Nothing to download; any vocab >= 256 works.
+
+Ids 256..259 hold the special tokens of the image spans (and padding); `VisionConfig` uses the same ids.
+"""
 from __future__ import annotations
 
 import torch
 
 NUM_BYTES = 256
+SPECIAL_TOKENS = {"<image>": 256, "<image_start>": 257, "<image_end>": 258, "<pad>": 259}
+PAD_TOKEN_ID = SPECIAL_TOKENS["<pad>"]
+_SPECIAL_NAMES = {token_id: name for name, token_id in SPECIAL_TOKENS.items()}
 
 
 class ByteTokenizer:
-    """Ids 0..255 are bytes; ids >= 256 are left for special tokens and decode as U+FFFD."""
+    """Ids 0..255 are bytes, 256..259 the specials above; other ids decode as '?'."""
 
     def __init__(self, vocab_size: int):
         if vocab_size < NUM_BYTES:
@@ -21,7 +27,13 @@ class ByteTokenizer:
         return torch.tensor([list(text.encode("utf-8"))], dtype=torch.int64)
 
     def decode(self, ids) -> str:
-        """ids: a sequence or 1-D tensor of ints -> text (invalid bytes and specials become U+FFFD)."""
+        """ids: a sequence or 1-D tensor of ints -> text; specials print as their names, e.g. '<image>'."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        data = bytes(v if 0 <= v < NUM_BYTES else 0x3F for v in values)
-        return data.decode("utf-8", errors="replace")
+        pieces, run = [], []
+        for value in values:
+            if value in _SPECIAL_NAMES:
+                pieces += [bytes(run).decode("utf-8", errors="replace"), _SPECIAL_NAMES[value]]
+                run = []
+            else:
+                run.append(value if 0 <= value < NUM_BYTES else 0x3F)
+        return "".join(pieces) + bytes(run).decode("utf-8", errors="replace")

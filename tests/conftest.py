@@ -3,6 +3,10 @@ import torch
 
 from latentmoe_lab import ModelConfig
 
+# Test shapes are tiny: a second OpenMP thread brings no speed, and on a busy 2-core machine every
+# parallel region waits for a descheduled thread (100x slowdowns were seen in kda_chunked).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -85,6 +85,8 @@ def test_small_preset_backward_is_finite():
     for name, param in model.named_parameters():
         if ".indexer." in name:  # top-k selection is not differentiable: the indexer trains on its own loss
             assert param.grad is None, name
+        elif name.startswith("vision."):  # a text-only batch never runs the vision tower
+            assert param.grad is None, name
         else:
             assert param.grad is not None and torch.isfinite(param.grad).all(), name
 

@@ -25,6 +25,7 @@ def test_notebook_pair_in_sync(source):
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes_in_smoke_mode(source, monkeypatch):
     monkeypatch.setenv("LATENTMOE_SMOKE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the kernel is a fresh process: same reason as conftest.py
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
     notebook = jupytext.read(source)
     client = NotebookClient(notebook, timeout=300, kernel_name="python3",

@@ -15,12 +15,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
+from einops import einsum, rearrange
 from torch import nn
 
 from latentmoe_lab.cache import KDALayerCache
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.norm import RMSNorm
+from latentmoe_lab.layers.packed import check_sequence_start
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.norms import l2_norm
 
@@ -29,6 +30,9 @@ from latentmoe_lab.ops.norms import l2_norm
 DT_INIT_RANGE = (1e-3, 1e-1)
 # exp(A_log) starts uniform in this range: per-head spread of decay speeds.
 A_INIT_RANGE = (1.0, 16.0)
+# Log decay at the first token of a packed sequence: exp(-1000) is exactly 0 in fp32 and fp64, so the
+# previous sequence's state is erased (the KDA ops stay finite for g = -1000; -inf would give inf - inf).
+SEQUENCE_START_DECAY = -1000.0
 
 
 class KimiDeltaAttention(nn.Module):
@@ -87,23 +91,33 @@ class KimiDeltaAttention(nn.Module):
             return self.gate_lower_bound * torch.sigmoid(rate * logits)
         return -rate * F.softplus(logits)
 
-    def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None) -> torch.Tensor:
-        """x: [B, T, hidden] -> [B, T, hidden]. A cache is read, then updated in place."""
+    def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None,
+                sequence_start: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]. A cache is read, then updated in place.
+
+        sequence_start [B, T] int64 (packed sequences, no cache; see layers/packed.py): the state is erased
+        at each sequence's first token, and the short conv does not reach back into the previous sequence.
+        """
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected shape [B, T, {self.q_proj.in_features}], got {shape}")
         if cache is not None and not isinstance(cache, KDALayerCache):
             raise TypeError(f"cache: expected KDALayerCache or None, got {type(cache).__name__}")
+        check_sequence_start(sequence_start, x, cache)
         seq_len = x.shape[1]
 
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv = F.silu(self._short_conv(qkv, cache))
+        qkv = F.silu(self._short_conv(qkv, cache) if sequence_start is None
+                     else self._short_conv_packed(qkv, sequence_start))
         key_width = self.num_heads * self.head_dim_k
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads)
                    for t in qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1))
         q, k = l2_norm(q, eps=1e-6), l2_norm(k, eps=1e-6)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.forget_gate(x)
+        if sequence_start is not None:
+            first = sequence_start == torch.arange(seq_len, device=x.device)  # [B, T]
+            g = g.masked_fill(first[..., None, None], SEQUENCE_START_DECAY)
 
         initial_state = None if cache is None else cache.recurrent_state
         keep_state = cache is not None
@@ -136,3 +150,13 @@ class KimiDeltaAttention(nn.Module):
             # clone: a view would keep the whole prefill buffer alive
             cache.conv_state = padded[..., padded.shape[-1] - history:].clone()
         return rearrange(self.conv(padded), "b c t -> b t c")
+
+    def _short_conv_packed(self, qkv: torch.Tensor, sequence_start: torch.Tensor) -> torch.Tensor:
+        """The causal conv of `_short_conv` over [B, T, channels], with taps before a token's sequence_start zeroed."""
+        history = self.conv_kernel - 1
+        padded = F.pad(rearrange(qkv, "b t c -> b c t"), (history, 0))
+        windows = padded.unfold(-1, self.conv_kernel, 1)  # [B, C, T, kernel]; slot j holds input t - (history - j)
+        lag = torch.arange(history, -1, -1, device=qkv.device)  # [kernel]
+        position = torch.arange(qkv.shape[1], device=qkv.device) - sequence_start  # [B, T], within own sequence
+        inside = lag <= position[:, None, :, None]  # [B, 1, T, kernel]
+        return einsum(windows * inside, self.conv.weight[:, 0, :], "b c t j, c j -> b t c")

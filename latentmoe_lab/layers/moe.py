@@ -31,6 +31,7 @@ from torch import nn
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.norm import RMSNorm
+from latentmoe_lab.ops.balancing import bias_update, router_z_loss, sequence_aux_loss
 from latentmoe_lab.ops.routing import combine, grouped_matmul, permute, plan_dispatch, route_topk, route_topk_reference
 
 
@@ -91,7 +92,11 @@ class LatentExperts(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    """Stable LatentMoE. x [B, T, hidden] -> [B, T, hidden]; `last_expert_counts` [E] after each forward."""
+    """Stable LatentMoE. x [B, T, hidden] -> [B, T, hidden].
+
+    After each forward: `last_expert_counts` [E], and `last_aux_loss` / `last_z_loss`, fp32 scalars
+    already scaled by moe.aux_loss_alpha / moe.z_loss_coef (zero, without a graph, when a coefficient is 0).
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -103,6 +108,7 @@ class LatentMoE(nn.Module):
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.routed_scaling = moe.routed_scaling_factor
         self.bias_update_rate = moe.bias_update_rate
+        self.aux_loss_alpha, self.z_loss_coef = moe.aux_loss_alpha, moe.z_loss_coef
         self.init_std = config.initializer_range
 
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
@@ -117,6 +123,7 @@ class LatentMoE(nn.Module):
                        if moe.num_shared_experts else None)
         self.dispatcher: Dispatcher = LocalDispatcher(moe.num_experts)
         self.last_expert_counts = torch.zeros(moe.num_experts, dtype=torch.int64)
+        self.last_aux_loss = self.last_z_loss = torch.zeros(())
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -141,8 +148,20 @@ class LatentMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, K] fp32, indices [N, K] int64)."""
-        return route_topk(self.router_logits(x), self.top_k, bias=self.correction_bias, n_group=self.n_group,
+        return self.select_experts(self.router_logits(x))
+
+    def select_experts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits [N, E] -> (weights [N, K] fp32, indices [N, K] int64); the bias picks, never weighs."""
+        return route_topk(logits, self.top_k, bias=self.correction_bias, n_group=self.n_group,
                           topk_group=self.topk_group, renormalize=True, scaling=self.routed_scaling)
+
+    def _record_router_losses(self, logits: torch.Tensor, indices: torch.Tensor, batch: int) -> None:
+        """Scaled sequence-wise aux loss and z-loss of this forward; logits [N, E], indices [N, K]."""
+        zero = logits.new_zeros(())
+        self.last_aux_loss = zero if not self.aux_loss_alpha else sequence_aux_loss(
+            rearrange(logits, "(b t) e -> b t e", b=batch), rearrange(indices, "(b t) k -> b t k", b=batch),
+            self.aux_loss_alpha)
+        self.last_z_loss = zero if not self.z_loss_coef else self.z_loss_coef * router_z_loss(logits)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
@@ -162,7 +181,9 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x_nd = rearrange(x, "b t d -> (b t) d")
-        weights, indices = self.route(x_nd)
+        logits = self.router_logits(x_nd)
+        weights, indices = self.select_experts(logits)
+        self._record_router_losses(logits, indices, x.shape[0])
         z_perm, counts, ctx = self.dispatcher.dispatch(self.down(x_nd), indices)
         mixed = self.dispatcher.combine(self.experts(z_perm, counts), weights, ctx)
         # Counted from the routing itself: an expert-parallel dispatcher only sees its local experts.
@@ -193,5 +214,4 @@ class LatentMoE(nn.Module):
         if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (self.num_experts,):
             shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
             raise ValueError(f"counts: expected shape ({self.num_experts},) [E], got {shape}")
-        load = counts.to(device=self.correction_bias.device, dtype=torch.float32)
-        self.correction_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+        self.correction_bias.copy_(bias_update(self.correction_bias, counts, self.bias_update_rate))

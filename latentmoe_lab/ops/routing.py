@@ -10,12 +10,19 @@ M = N * K permuted rows (one per (token, selected expert) pair).
 
 Dispatch is a stable sort of the flattened expert indices: rows of one expert
 become contiguous, so every expert runs one dense matmul over its slice.
+
+Ops with a Triton kernel take backend="auto" | "torch" | "triton" (see ops.backend):
+route_topk, route_and_plan (routing and dispatch plan in one kernel pass), grouped_matmul,
+grouped_swiglu (SwiGLU fused into the first expert GEMM) and combine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from latentmoe_lab.ops.backend import resolve_backend
 
 # 0/0 guard: sigmoid underflows to exactly 0 for logits below about -104.
 _MIN_SCORE_SUM = 1e-20
@@ -57,7 +64,7 @@ def _normalise(selected_scores: torch.Tensor, renormalize: bool, scaling: float)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, n_group: int = 1,
-               topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0
+               topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0, backend: str = "auto"
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid top-k routing. logits [N, E] -> (weights [N, top_k] fp32, indices [N, top_k] int64).
 
@@ -66,6 +73,10 @@ def route_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = Non
     and only the topk_group best groups stay eligible.
     """
     _check_routing_args(logits, top_k, bias, n_group, topk_group)
+    if resolve_backend(backend, logits, bias) == "triton":
+        from latentmoe_kernels.routing import fused_route
+        routed = fused_route(logits, top_k, bias, n_group, topk_group, renormalize, scaling)
+        return routed.weights, routed.indices
     scores = torch.sigmoid(logits.float())
     choice = scores if bias is None else scores + bias.float()
     if n_group > 1:
@@ -140,6 +151,24 @@ def plan_dispatch(indices: torch.Tensor, num_experts: int) -> DispatchPlan:
                         offsets=counts.cumsum(0), top_k=indices.shape[1])
 
 
+def route_and_plan(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, n_group: int = 1,
+                   topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0, backend: str = "auto"
+                   ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+    """`route_topk` then `plan_dispatch`: logits [N, E] -> (weights [N, K] fp32, indices [N, K], DispatchPlan).
+
+    With backend "triton" one kernel pass over the logits yields all three (latentmoe_kernels.routing).
+    """
+    _check_routing_args(logits, top_k, bias, n_group, topk_group)
+    if resolve_backend(backend, logits, bias) == "torch":
+        weights, indices = route_topk(logits, top_k, bias, n_group, topk_group, renormalize, scaling, backend="torch")
+        return weights, indices, plan_dispatch(indices, logits.shape[1])
+    from latentmoe_kernels.routing import fused_route
+    routed = fused_route(logits, top_k, bias, n_group, topk_group, renormalize, scaling)
+    plan = DispatchPlan(order=routed.order, token_index=routed.order // top_k, counts=routed.counts,
+                        offsets=routed.offsets, top_k=top_k)
+    return routed.weights, routed.indices, plan
+
+
 def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """x [N, D] -> [N*K, D], one copy of each token per selected expert, expert-major."""
     if x.dim() != 2:
@@ -150,7 +179,8 @@ def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return x[plan.token_index]
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, num_tokens: int) -> torch.Tensor:
+def combine(y: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, num_tokens: int,
+            backend: str = "auto") -> torch.Tensor:
     """sum_k weights[n, k] * y[row of (n, k)] -> [num_tokens, D] fp32. y: [N*K, D], weights: [N, K]."""
     rows = plan.order.numel()
     if y.dim() != 2 or y.shape[0] != rows:
@@ -159,6 +189,9 @@ def combine(y: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, num_toke
         raise ValueError(f"weights: expected shape [N, {plan.top_k}] with N*K = {rows}, got {tuple(weights.shape)}")
     if num_tokens != weights.shape[0]:
         raise ValueError(f"num_tokens: must equal weights.shape[0] ({weights.shape[0]}), got {num_tokens!r}")
+    if resolve_backend(backend, y, weights) == "triton":
+        from latentmoe_kernels.grouped_gemm import combine as combine_triton
+        return combine_triton(y, weights, plan.order)
     row_weight = weights.float().reshape(-1)[plan.order]
     weighted = y.float() * row_weight.unsqueeze(-1)
     out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
@@ -190,15 +223,20 @@ def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm"))
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, impl: str = "auto",
+                   backend: str = "auto") -> torch.Tensor:
     """Rows offsets[e-1]:offsets[e] of x [M, D_in] times w[e] [D_in, D_out] -> [M, D_out].
 
-    impl: "auto" | "grouped_mm" (torch._grouped_mm, one fused call) | "padded" (always valid).
-    "auto" takes grouped_mm when `_grouped_mm_fits`, else "padded".
+    impl (torch backend only): "auto" | "grouped_mm" (torch._grouped_mm, one fused call) | "padded"
+    (always valid). "auto" takes grouped_mm when `_grouped_mm_fits`, else "padded".
+    backend "triton" runs latentmoe_kernels.grouped_gemm (fp32 accumulation).
     """
     if impl not in ("auto", "grouped_mm", "padded"):
         raise ValueError(f"impl: must be 'auto', 'grouped_mm' or 'padded', got {impl!r}")
     _check_grouped_args(x, w, offsets)
+    if resolve_backend(backend, x, w) == "triton":
+        from latentmoe_kernels.grouped_gemm import grouped_gemm
+        return grouped_gemm(x, w, offsets)
     fits = _grouped_mm_fits(x, w)
     if impl == "grouped_mm" and not fits:
         raise ValueError("impl: 'grouped_mm' needs CPU fp32/bf16/fp16 tensors, D_in and D_out rows of a "
@@ -225,6 +263,27 @@ def _grouped_matmul_padded(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tens
     padded = x.new_zeros(num_experts, int(counts.max()), x.shape[1])
     padded = padded.index_put((expert_of_row, slot_of_row), x)
     return torch.bmm(padded, w)[expert_of_row, slot_of_row]
+
+
+def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor, clamp: float | None = None,
+                   backend: str = "auto") -> torch.Tensor:
+    """The experts' first GEMM and activation: silu(x_e @ gate_e) * (x_e @ up_e) -> [M, F] in x's dtype.
+
+    x: [M, D] expert-major rows; w13: [E, D, 2F] (gate | up columns); offsets: [E] end offsets.
+    clamp: optional bound c, the product is clamped to [-c, c]. backend "triton" fuses the
+    activation into the grouped GEMM, so the [M, 2F] pre-activation is never stored.
+    """
+    _check_grouped_args(x, w13, offsets)
+    if w13.shape[2] % 2:
+        raise ValueError(f"w13: last dim must be even (gate | up halves), got shape {tuple(w13.shape)}")
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp > 0):
+        raise ValueError(f"clamp: must be a positive number or None, got {clamp!r}")
+    if resolve_backend(backend, x, w13) == "triton":
+        from latentmoe_kernels.grouped_gemm import grouped_swiglu as grouped_swiglu_triton
+        return grouped_swiglu_triton(x, w13, offsets, clamp)
+    gate, up = grouped_matmul(x, w13, offsets).chunk(2, dim=-1)
+    hidden = F.silu(gate) * up
+    return hidden if clamp is None else hidden.clamp(-clamp, clamp)
 
 
 def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,14 @@
 """Plotly figure builders: pure functions from numbers to `go.Figure`, one module per topic.
 
     viz.model      parameters, expert load, cache bytes (the smoke report)
+    viz.routing    router scores, group limits, imbalance workloads, balancing runs, latent and EP trade-offs
+    viz.multimodal patches and merge windows, interleaved sequences, image costs, routing by modality
+    viz.attention  KDA state and gates, chunked vs recurrent, indexer top-k, hybrid cost curves
+    viz.parallel   who holds what, rank-to-rank traffic, measured vs planned bytes, schedules, full-scale plans
 """
-from latentmoe_lab.viz import model
+from latentmoe_lab.viz import attention, model, multimodal, parallel, routing
 from latentmoe_lab.viz.model import (cache_bytes_figure, expert_load_figure, load_imbalance_figure,
                                      parameter_breakdown_figure)
 
-__all__ = ["model", "cache_bytes_figure", "expert_load_figure", "load_imbalance_figure", "parameter_breakdown_figure"]
+__all__ = ["attention", "model", "multimodal", "parallel", "routing", "cache_bytes_figure", "expert_load_figure", "load_imbalance_figure",
+           "parameter_breakdown_figure"]

@@ -1,0 +1,112 @@
+"""Chunked KDA against the per-token recurrence on CPU, and against its FLOP lower bound.
+
+    .venv/bin/python benchmarks/bench_kda.py            # B=1, H=4, d_k=d_v=64, C=64, fp32, T=512..16384
+    .venv/bin/python benchmarks/bench_kda.py --quick    # T=512, 1024 and 2 repeats: checks the harness
+
+For each T both ops run on the same inputs (unit-norm k, g in [-0.5, 0], beta in (0, 1)), interleaved
+call by call so that a load spike on the shared machine hits both alike; each time is the median of
+--repeats calls after a warm-up. The recurrence is run only --recurrent-repeats times (default 1) at
+T >= 8192, since it costs seconds there.
+
+FLOP lower bound per head (DESIGN 1.3): 6 T d^2 + 3 T C d + T C^2 FLOPs. The bound's time is those
+FLOPs at the best fp32 matmul rate measured in this process (a 1024^3 matmul), so the ratio
+chunked / bound says how far the eager PyTorch op is from a kernel that only ran matmuls at peak.
+Writes benchmarks/bench_kda.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
+from latentmoe_lab.ops.norms import l2_norm
+
+
+def make_inputs(seq_len: int, heads: int, dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, seq_len, heads, dim, generator=gen)
+    k = l2_norm(torch.randn(1, seq_len, heads, dim, generator=gen))
+    v = torch.randn(1, seq_len, heads, dim, generator=gen)
+    g = -0.5 * torch.rand(1, seq_len, heads, dim, generator=gen)
+    beta = torch.rand(1, seq_len, heads, generator=gen)
+    return q, k, v, g, beta
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def matmul_peak_gflops(repeats: int = 7) -> float:
+    """Best fp32 GFLOP/s of a 1024^3 matmul here (the rate the lower bound assumes)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    best = min(timed(lambda: a @ b)[0] for _ in range(repeats))
+    return 2 * 1024 ** 3 / best / 1e9
+
+
+def flop_lower_bound(seq_len: int, heads: int, dim: int, chunk: int) -> float:
+    return heads * (6 * seq_len * dim ** 2 + 3 * seq_len * chunk * dim + seq_len * chunk ** 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own, 2 here)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--recurrent-repeats", type=int, default=1, help="recurrence repeats at T >= 8192")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=64)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [512, 1024] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    repeats = 2 if args.quick else args.repeats
+
+    peak = matmul_peak_gflops()
+    print(f"fp32 matmul peak here: {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    header = (f"{'T':>6} {'chunked ms':>11} {'recurrent ms':>13} {'speedup':>8} {'bound ms':>9} "
+              f"{'chunked/bound':>14} {'max |diff|':>11}")
+    print(header)
+    rows = []
+    for seq_len in lengths:
+        inputs = make_inputs(seq_len, args.heads, args.dim)
+        kda_chunked(*inputs, chunk_size=args.chunk)  # warm-up
+        runs_recurrent = repeats if seq_len < 8192 else args.recurrent_repeats
+        chunked_s, recurrent_s, max_diff = [], [], 0.0
+        for i in range(max(repeats, runs_recurrent)):
+            if i < repeats:
+                seconds, (fast, _) = timed(lambda: kda_chunked(*inputs, chunk_size=args.chunk))
+                chunked_s.append(seconds)
+            if i < runs_recurrent:
+                seconds, (slow, _) = timed(lambda: kda_recurrent(*inputs))
+                recurrent_s.append(seconds)
+                max_diff = max(max_diff, (fast - slow).abs().max().item())
+        chunked, recurrent = statistics.median(chunked_s), statistics.median(recurrent_s)
+        bound = flop_lower_bound(seq_len, args.heads, args.dim, args.chunk) / (peak * 1e9)
+        row = dict(T=seq_len, chunked_ms=1e3 * chunked, recurrent_ms=1e3 * recurrent,
+                   speedup=recurrent / chunked, bound_ms=1e3 * bound, chunked_over_bound=chunked / bound,
+                   max_abs_diff=max_diff, chunked_repeats=len(chunked_s), recurrent_repeats=len(recurrent_s))
+        rows.append(row)
+        print(f"{seq_len:>6} {row['chunked_ms']:>11.1f} {row['recurrent_ms']:>13.1f} {row['speedup']:>7.1f}x "
+              f"{row['bound_ms']:>9.2f} {row['chunked_over_bound']:>13.1f}x {max_diff:>11.1e}", flush=True)
+
+    result = dict(config=dict(B=1, H=args.heads, d_k=args.dim, d_v=args.dim, chunk=args.chunk, dtype="fp32"),
+                  machine=dict(platform=platform.platform(), threads=torch.get_num_threads(),
+                               torch=torch.__version__, matmul_peak_gflops=peak),
+                  rows=rows)
+    out = Path(__file__).with_suffix(".json")
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""From a user's image to vision-tower input: load, check, resize to whole merge windows, normalise, patchify.
+
+    image (PIL, path, or tensor [C, H, W])
+      -> float [C, H, W] in [0, 1]
+      -> resized so H and W are multiples of u = patch * merge (nearest multiple, at least u)
+      -> normalised to [-1, 1]
+      -> patches [(H/p) (W/p), C p p] in merge-window order (see layers/vision.py)
+
+An image is m x m merged windows of p x p patches, so it becomes (H/p)(W/p)/m^2 tokens of the text sequence.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+
+def to_image_tensor(image, in_channels: int, name: str = "image") -> torch.Tensor:
+    """A PIL image, an image file path, or a tensor [C, H, W] (uint8, or float in [0, 1]) -> float [C, H, W].
+
+    `name` is used in error messages, e.g. "images[1]".
+    """
+    if isinstance(image, (str, Path)):
+        image = _open_image(image, name)
+    if _is_pil_image(image):
+        image = _pil_to_tensor(image, in_channels)
+    if not isinstance(image, torch.Tensor):
+        raise TypeError(f"{name}: expected a PIL image, a file path or a tensor [C, H, W], got {type(image).__name__}")
+    if image.dim() != 3:
+        raise ValueError(f"{name}: expected 3 dims [C, H, W], got shape {tuple(image.shape)}")
+    if image.shape[0] != in_channels:
+        raise ValueError(f"{name}: expected {in_channels} channels first [C={in_channels}, H, W], "
+                         f"got shape {tuple(image.shape)}")
+    if image.dtype == torch.uint8:
+        return image.float() / 255.0
+    if not image.is_floating_point():
+        raise TypeError(f"{name}: expected dtype uint8 or a floating dtype, got {image.dtype}")
+    if not bool(torch.isfinite(image).all()):
+        raise ValueError(f"{name}: contains NaN or inf")
+    if image.numel() and (float(image.min()) < 0.0 or float(image.max()) > 1.0):
+        raise ValueError(f"{name}: float pixels must lie in [0, 1], got range "
+                         f"[{float(image.min()):.3g}, {float(image.max()):.3g}]")
+    return image.float()
+
+
+def grid_size(height: int, width: int, patch_size: int, merge_size: int,
+              max_side: int | None = None, name: str = "image") -> tuple[int, int]:
+    """(rows, cols) of patches an H x W image becomes: nearest multiple of patch*merge per side, >= one window.
+
+    With max_side, a larger image is first scaled down (aspect kept) so its longer side is <= max_side.
+    """
+    if min(height, width) < patch_size:
+        raise ValueError(f"{name}: {height}x{width} pixels is smaller than one {patch_size}x{patch_size} patch")
+    scale = 1.0 if max_side is None else min(1.0, max_side / max(height, width))
+    unit = patch_size * merge_size
+    rows = max(1, round(height * scale / unit)) * merge_size
+    cols = max(1, round(width * scale / unit)) * merge_size
+    return rows, cols
+
+
+def tokens_for_image(height: int, width: int, patch_size: int, merge_size: int, max_side: int | None = None) -> int:
+    """Merged image tokens (placeholders) for an H x W image."""
+    rows, cols = grid_size(height, width, patch_size, merge_size, max_side)
+    return rows * cols // merge_size ** 2
+
+
+def patchify(image: torch.Tensor, patch_size: int, merge_size: int, max_side: int | None = None,
+             name: str = "image") -> tuple[torch.Tensor, tuple[int, int]]:
+    """image float [C, H, W] in [0, 1] -> (patches [rows*cols, C*p*p] in [-1, 1], (rows, cols))."""
+    height, width = image.shape[-2:]
+    rows, cols = grid_size(height, width, patch_size, merge_size, max_side, name)
+    size = (rows * patch_size, cols * patch_size)
+    if (height, width) != size:
+        image = F.interpolate(image[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    normalised = (image.clamp(0.0, 1.0) - 0.5) / 0.5
+    patches = rearrange(normalised, "c (wr m1 p1) (wc m2 p2) -> (wr wc m1 m2) (c p1 p2)",
+                        m1=merge_size, m2=merge_size, p1=patch_size, p2=patch_size)
+    return patches, (rows, cols)
+
+
+def unpatchify(patches: torch.Tensor, grid: tuple[int, int], patch_size: int, merge_size: int,
+               in_channels: int) -> torch.Tensor:
+    """Inverse of `patchify` for one image: patches [rows*cols, C*p*p] -> image [C, rows*p, cols*p] in [0, 1]."""
+    rows, cols = grid
+    image = rearrange(patches, "(wr wc m1 m2) (c p1 p2) -> c (wr m1 p1) (wc m2 p2)", wr=rows // merge_size,
+                      wc=cols // merge_size, m1=merge_size, m2=merge_size, c=in_channels, p1=patch_size)
+    return image * 0.5 + 0.5
+
+
+def _is_pil_image(value) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:
+        return False
+    return isinstance(value, Image.Image)
+
+
+def _open_image(path: str | Path, name: str):
+    try:
+        from PIL import Image
+    except ImportError:
+        raise TypeError(f"{name}: opening an image file needs Pillow (pip install pillow)") from None
+    if not Path(path).is_file():
+        raise ValueError(f"{name}: no image file at {str(path)!r}")
+    with Image.open(path) as opened:
+        opened.load()
+        return opened.copy()
+
+
+def _pil_to_tensor(image, in_channels: int) -> torch.Tensor:
+    """PIL image -> uint8 [C, H, W]; converted to RGB (3 channels) or L (1 channel) first."""
+    modes = {1: "L", 3: "RGB"}
+    if in_channels not in modes:
+        raise ValueError(f"in_channels: PIL images can become 1 or 3 channels, the vision tower wants {in_channels}")
+    image = image.convert(modes[in_channels])
+    width, height = image.size
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return rearrange(data, "(h w c) -> c h w", h=height, w=width, c=in_channels)
+

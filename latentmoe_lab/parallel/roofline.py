@@ -1,0 +1,131 @@
+"""Roofline step-time estimate of a layout: per layer max(FLOPs / peak, bytes / HBM) plus communication.
+
+Per layer on one device, for `tokens` local tokens that each see `context` earlier positions:
+  FLOPs   2 x local dense parameters x tokens; routed experts: tokens x K pairs arrive per rank on
+          average, 6 l I / tp each; KDA core ~ (6 d_k d_v + 3 C d_k + C^2) per head and token
+          (chunked, C = chunk size; 6 d_k d_v per step when decoding); DSA: the indexer scores every
+          visible position (2 H_I d_I each, replicated on TP ranks) and attention runs over
+          min(top-k, context) positions (2 (qk + v) per local head).
+  bytes   local weights once per forward (only the experts some token touches), and when decoding
+          the caches: every index key, the top-k latents, the KDA state read and written.
+  comm    TP all-reduce as a ring, 2 (n-1)/n x payload over NVLink; the expert All-to-All with the
+          share of peers off the node at the NIC bandwidth; a pipeline hand-off per stage.
+Three schedules per layer: "sequential" (compute, then every transfer), "shared_overlap" (the
+token dispatch hides behind the shared experts, as ParallelMoE does) and "overlapped" (every
+transfer hidden behind compute: max of the two, the bound that micro-batch interleaving reaches).
+A step of m micro-batches through pp stages takes (m + pp - 1) x the slowest stage.
+"""
+from __future__ import annotations
+
+from latentmoe_lab.config import KDA, ModelConfig
+from latentmoe_lab.meta import BITS_PER_WEIGHT
+from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.hardware import Hardware, Workload
+from latentmoe_lab.parallel.traffic import COUNT_BYTES, META_BYTES_PER_SLOT, hit_probability
+
+SCHEDULES = ("sequential", "shared_overlap", "overlapped")
+
+
+def _ring_time(payload: float, n: int, bandwidth: float, latency: float) -> float:
+    return 0.0 if n == 1 else 2 * (n - 1) / n * payload / bandwidth + 2 * (n - 1) * latency
+
+
+def _ep_bandwidth(pconfig: ParallelConfig, hw: Hardware) -> tuple[float, float]:
+    """(effective bytes/s, latency) of the ep group: members stride cp * tp ranks on the mesh."""
+    stride = pconfig.cp * pconfig.tp
+    on_node = max(1, min(pconfig.ep, hw.devices_per_node // stride)) if stride <= hw.devices_per_node else 1
+    off_node = 1.0 if pconfig.ep == 1 else 1 - (on_node - 1) / (pconfig.ep - 1)
+    seconds_per_byte = off_node / hw.inter_node_bandwidth + (1 - off_node) / hw.intra_node_bandwidth
+    return 1 / seconds_per_byte, hw.inter_node_latency if off_node > 0 else hw.intra_node_latency
+
+
+def layer_time(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload, layer: int,
+               other_params: float, tokens: float, context: float, decode: bool) -> dict[str, float]:
+    """Seconds of one layer on one device under the three schedules, plus its compute and comm parts."""
+    moe, tp, ep, act = config.moe, pconfig.tp, pconfig.ep, workload.act_bytes
+    is_moe = config.is_moe_layer(layer)
+    flops = 2 * other_params * tokens
+    weight_bytes = other_params * 2
+    cache_bytes = 0.0
+    if config.layer_types[layer] == KDA:
+        kda = config.kda
+        heads = kda.num_heads // tp
+        per_head = 6 * kda.head_dim_k * kda.head_dim_v
+        if not decode:
+            per_head += 3 * kda.chunk_size * kda.head_dim_k + kda.chunk_size ** 2
+        flops += tokens * heads * per_head
+        if decode:
+            cache_bytes += 2 * tokens * heads * kda.head_dim_k * kda.head_dim_v * 4
+    else:
+        mla, idx = config.mla, config.indexer
+        selected = min(idx.topk, context)
+        flops += tokens * 2 * idx.num_heads * idx.head_dim * context
+        flops += tokens * 2 * selected * mla.num_heads // tp * (mla.qk_nope_head_dim + mla.qk_rope_head_dim
+                                                               + mla.v_head_dim)
+        if decode:
+            cache_bytes += tokens * (context * (idx.head_dim + 4)
+                                     + selected * (mla.kv_lora_rank + mla.qk_rope_head_dim) * workload.cache_bytes)
+    shared_flops = 0.0
+    if is_moe:
+        expert_params = 3 * moe.latent_size * (moe.expert_intermediate_size // tp)
+        flops += tokens * moe.top_k * 2 * expert_params
+        local_experts = moe.num_experts // ep
+        untouched = (1 - moe.top_k / moe.num_experts) ** (tokens * ep)
+        bits = BITS_PER_WEIGHT["bf16" if workload.mode == "train" else workload.expert_format]
+        weight_bytes += local_experts * (1 - untouched) * expert_params * bits / 8
+        shared_flops = 2 * tokens * 3 * config.hidden_size * moe.num_shared_experts * moe.expert_intermediate_size / tp
+    compute = max(flops / hw.peak_flops, (weight_bytes + cache_bytes) / hw.hbm_bandwidth)
+
+    tp_payload = tokens * config.hidden_size * act
+    if is_moe:
+        tp_payload += tokens * (moe.latent_size * 4 + (config.hidden_size * act if moe.num_shared_experts else 0))
+    else:
+        tp_payload *= 2  # attention and dense FFN
+    tp_time = _ring_time(tp_payload, tp, hw.intra_node_bandwidth, hw.intra_node_latency)
+    dispatch = combine = 0.0
+    if is_moe and ep > 1:
+        rows = tokens * (ep - 1) * hit_probability(moe.num_experts, moe.top_k, ep)
+        bandwidth, latency = _ep_bandwidth(pconfig, hw)
+        dispatch = (rows * (moe.latent_size * act + moe.top_k * META_BYTES_PER_SLOT)
+                    + (ep - 1) * COUNT_BYTES) / bandwidth + 2 * latency
+        combine = rows * moe.latent_size * act / bandwidth + latency
+    comm = tp_time + dispatch + combine
+    shared_time = shared_flops / hw.peak_flops
+    return {"compute": compute, "comm": comm, "sequential": compute + comm,
+            "shared_overlap": compute + tp_time + max(0.0, dispatch - shared_time) + combine,
+            "overlapped": max(compute, comm)}
+
+
+def step_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload,
+               stages: list[range], params_by_stage: list[dict[str, int]]) -> dict[str, dict[str, float]]:
+    """{"prefill" | "decode": {schedule: seconds, "compute", "comm"}}; decode also "tokens_per_s"."""
+    if workload.mode == "train":
+        prefill_tokens = workload.micro_batch_sequences * workload.seq_len // pconfig.cp
+        micro = workload.micro_batches
+    else:
+        prefill_tokens = workload.prefill_chunk * max(1, workload.sequences // pconfig.data_shards) // pconfig.cp
+        micro = 1
+    decode_rows = max(1.0, workload.sequences / pconfig.data_shards)
+    out = {}
+    for phase, tokens, context, m in (("prefill", prefill_tokens, workload.seq_len / 2, micro),
+                                      ("decode", decode_rows, workload.seq_len, 1)):
+        per_stage = []
+        for s, (stage, params) in enumerate(zip(stages, params_by_stage)):
+            # dense parameters per layer: the stage's non-expert parameters spread over its layers
+            # (the first stage's embedding table is a lookup, not a matmul)
+            embedding = config.vocab_size * config.hidden_size if s == 0 else 0
+            other = (params["other"] - embedding) / len(stage)
+            totals = dict.fromkeys(SCHEDULES + ("compute", "comm"), 0.0)
+            for i in stage:
+                for key, seconds in layer_time(config, pconfig, hw, workload, i, other, tokens, context,
+                                               phase == "decode").items():
+                    totals[key] += seconds
+            if pconfig.pp > 1:
+                hand_off = tokens * config.hidden_size * workload.act_bytes / hw.inter_node_bandwidth
+                for key in SCHEDULES + ("comm",):
+                    totals[key] += hand_off + hw.inter_node_latency
+            per_stage.append(totals)
+        slowest = {key: max(s[key] for s in per_stage) for key in per_stage[0]}
+        out[phase] = {key: (m + pconfig.pp - 1) * value for key, value in slowest.items()}
+    out["decode"]["tokens_per_s"] = workload.sequences / out["decode"]["sequential"]
+    return out

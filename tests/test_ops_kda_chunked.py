@@ -1,0 +1,71 @@
+"""kda_chunked's sub-chunked intra-chunk form against the recurrence: both gate forms, odd chunk sizes, gradients."""
+import pytest
+import torch
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.layers.kda import KimiDeltaAttention
+from latentmoe_lab.ops.kda import _sub_chunk_size, kda_chunked, kda_recurrent
+from latentmoe_lab.ops.norms import l2_norm
+
+
+def layer_inputs(gate_form: str, seq_len: int, seed: int = 0):
+    """q, k, v, g, beta and a state as KimiDeltaAttention makes them; large x drives the gates to extremes."""
+    config = ModelConfig.from_preset("tiny")
+    config = config.replace(kda={**config.to_dict()["kda"], "gate_form": gate_form})
+    torch.manual_seed(seed)
+    layer = KimiDeltaAttention(config)
+    x = 4.0 * torch.randn(2, seq_len, config.hidden_size)
+    heads, dim = config.kda.num_heads, config.kda.head_dim_k
+    with torch.no_grad():
+        g = layer.forget_gate(x)
+    q = torch.randn(2, seq_len, heads, dim)
+    k = l2_norm(torch.randn(2, seq_len, heads, dim))
+    v = torch.randn(2, seq_len, heads, config.kda.head_dim_v)
+    beta = torch.rand(2, seq_len, heads)
+    state = torch.randn(2, heads, dim, config.kda.head_dim_v)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("gate_form", ["lower_bound", "softplus"])
+@pytest.mark.parametrize("seq_len,chunk_size", [(45, 16), (100, 64), (33, 7), (50, 12)])
+def test_chunked_matches_recurrent_for_both_gate_forms(gate_form, seq_len, chunk_size):
+    q, k, v, g, beta, state = layer_inputs(gate_form, seq_len)
+    if gate_form == "softplus":
+        assert g.min() < -8  # the unbounded form really goes below the other form's floor of -5
+    else:
+        assert g.min() >= -5.0
+    g[:, seq_len // 2, 1] = -1000.0  # and one hard reset of head 1
+    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    out, final = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=chunk_size)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+
+
+def test_many_resets_inside_one_sub_chunk_stay_exact():
+    """Resets push the cumulative decay to -1000s; pairs after the last reset still need fp32-exact gaps."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 70, 1, 8, generator=gen), l2_norm(torch.randn(1, 70, 1, 8, generator=gen))
+    v, beta = torch.randn(1, 70, 1, 8, generator=gen), torch.rand(1, 70, 1, generator=gen)
+    g = -1e-3 * torch.rand(1, 70, 1, 8, generator=gen)
+    g[:, [1, 2, 9, 10, 40, 64]] = -1000.0
+    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, output_final_state=True)
+    out, final = kda_chunked(q, k, v, g, beta, output_final_state=True, chunk_size=64)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_match_the_recurrence():
+    q, k, v, g, beta, state = layer_inputs("softplus", 40, seed=1)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, g, beta, state)]
+    twins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, state)]
+    out, final = kda_chunked(*inputs[:5], initial_state=inputs[5], output_final_state=True, chunk_size=16)
+    (out.square().sum() + final.sum()).backward()
+    ref_out, ref_final = kda_recurrent(*twins[:5], initial_state=twins[5], output_final_state=True)
+    (ref_out.square().sum() + ref_final.sum()).backward()
+    for mine, reference in zip(inputs, twins):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_size,expected", [(64, 8), (48, 6), (16, 4), (8, 2), (7, 1), (1, 1), (128, 8)])
+def test_sub_chunk_size_divides_the_chunk_near_its_square_root(chunk_size, expected):
+    assert _sub_chunk_size(chunk_size) == expected
