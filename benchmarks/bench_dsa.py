@@ -15,8 +15,8 @@ what the cache holds, and a sparse prefill of these sizes would take many minute
              gathers only the selected latent rows (absorbed MQA form)
     dense    layer(x, dense=True): the reference, softmax over every causal key, [B, H, T, S] at once
 
-Peak memory is counted by latentmoe_lab.profiling.PeakMemory: the most bytes of tensor storage the
-forward allocates and holds at once (inputs and weights excluded). Dense prefill at 16k/32k needs far
+Peak memory is counted by latentmoe_lab.analysis.memory.PeakMemory: the most bytes of tensor storage
+the forward allocates and holds at once (inputs and weights excluded). Dense prefill at 16k/32k needs far
 more memory than this shared machine has (its [B, H, T, S] logits alone are 4.3 / 17.2 GB), so its
 peak is replayed on the meta device (the same ops, shapes only, nothing allocated) and its time is
 not measured; where dense does run, both counts are printed to show they agree.
@@ -29,21 +29,19 @@ Writes benchmarks/bench_dsa.json.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from latentmoe_lab.cache import DSALayerCache
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.dsa import GatedDSA
-from latentmoe_lab.profiling.memory import PeakMemory
+from latentmoe_lab.analysis.memory import PeakMemory
+
+from common import apply_threads, machine_info, make_parser, write_json
 
 DENSE_RUN_LIMIT = 4 * 2 ** 30  # bytes: dense prefill runs for real only below this replayed peak
 GIB, MIB = 2 ** 30, 2 ** 20
@@ -147,15 +145,10 @@ def describe(config: ModelConfig) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on the shared 2-core machine two OpenMP threads "
-                             "stall on every small op whenever the other core is busy)")
+    parser = make_parser(__doc__, default_threads=1)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     contexts, topk = ([1024, 2048], 256) if args.quick else ([4096, 16384, 32768], 2048)
     steps = 5 if args.quick else args.steps
 
@@ -168,9 +161,8 @@ def main() -> None:
 
     result = dict(small=dict(config=describe(small), rows=small_rows),
                   k3_eighth=dict(config=describe(k3_eighth), rows=k3_rows), steps=steps,
-                  machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__))
-    out = Path(__file__).with_suffix(".json")
-    out.write_text(json.dumps(result, indent=2))
+                  machine=machine_info())
+    out = write_json(__file__, result)
     print(f"wrote {out}")
 
 

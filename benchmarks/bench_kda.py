@@ -15,17 +15,15 @@ Writes benchmarks/bench_kda.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.norms import l2_norm
+
+from common import apply_threads, machine_info, make_parser, write_json
 
 
 def make_inputs(seq_len: int, heads: int, dim: int, seed: int = 0):
@@ -57,17 +55,14 @@ def flop_lower_bound(seq_len: int, heads: int, dim: int, chunk: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own, 2 here)")
+    parser = make_parser(__doc__, default_threads=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--recurrent-repeats", type=int, default=1, help="recurrence repeats at T >= 8192")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     lengths = [512, 1024] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     repeats = 2 if args.quick else args.repeats
 
@@ -100,11 +95,8 @@ def main() -> None:
               f"{row['bound_ms']:>9.2f} {row['chunked_over_bound']:>13.1f}x {max_diff:>11.1e}", flush=True)
 
     result = dict(config=dict(B=1, H=args.heads, d_k=args.dim, d_v=args.dim, chunk=args.chunk, dtype="fp32"),
-                  machine=dict(platform=platform.platform(), threads=torch.get_num_threads(),
-                               torch=torch.__version__, matmul_peak_gflops=peak),
-                  rows=rows)
-    out = Path(__file__).with_suffix(".json")
-    out.write_text(json.dumps(result, indent=2))
+                  machine=machine_info(matmul_peak_gflops=peak), rows=rows)
+    out = write_json(__file__, result)
     print(f"wrote {out}")
 
 

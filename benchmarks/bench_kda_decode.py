@@ -15,18 +15,16 @@ Writes benchmarks/bench_kda_decode.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from latentmoe_lab.cache import KDALayerCache
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.kda import KimiDeltaAttention
+
+from common import apply_threads, machine_info, make_parser, write_json
 
 
 def prefill(layer: KimiDeltaAttention, x: torch.Tensor, segment: int) -> tuple[KDALayerCache, float]:
@@ -43,16 +41,11 @@ def cache_bytes(cache: KDALayerCache) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on the shared 2-core machine two OpenMP threads "
-                             "stall on every small op whenever the other core is busy)")
+    parser = make_parser(__doc__, default_threads=1)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--segment", type=int, default=8192)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     contexts = [256, 2048] if args.quick else [1024, 65536]
     steps = 10 if args.quick else args.steps
 
@@ -95,10 +88,8 @@ def main() -> None:
     result = dict(config=dict(layer="KimiDeltaAttention(small preset)", hidden=hidden, heads=config.kda.num_heads,
                               d_k=config.kda.head_dim_k, d_v=config.kda.head_dim_v, chunk=config.kda.chunk_size,
                               segment=args.segment, steps=steps, dtype="fp32"),
-                  machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__),
-                  rows=table)
-    out = Path(__file__).with_suffix(".json")
-    out.write_text(json.dumps(result, indent=2))
+                  machine=machine_info(), rows=table)
+    out = write_json(__file__, result)
     print(f"wrote {out}")
 
 

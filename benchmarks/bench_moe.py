@@ -31,8 +31,6 @@ and benchmarks/bench_moe.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import time
@@ -47,6 +45,8 @@ from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.ops.routing import grouped_matmul, grouped_swiglu, plan_dispatch
 from latentmoe_lab.workloads import WORKLOADS, make_workload
+
+from common import apply_threads, make_parser, write_json
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -159,19 +159,16 @@ def workload_table(config: ModelConfig, tokens: int, repeats: int) -> list[dict]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = make_parser(__doc__, default_threads=None, quick_help="T=512, 2 repeats, small sweep", full_doc=True)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--per-token-tokens", type=int, default=256, help="tokens per timed per-token call")
     parser.add_argument("--sweep", type=int, nargs="*", default=[64, 512, 4096])
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="T=512, 2 repeats, small sweep")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("bench_moe.json"))
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.repeats, args.sweep = 512, 2, [64, 512]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     per_token_tokens = min(args.per_token_tokens, args.tokens)
 
     torch.manual_seed(0)
@@ -191,7 +188,7 @@ def main() -> None:
                    "latent": config.moe.latent_size, "inter": config.moe.expert_intermediate_size},
         "main": main_result, "sweep": sweep, "workloads": workloads,
     }
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(__file__, result, out=args.out)
     print_tables(result)
 
 

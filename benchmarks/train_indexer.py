@@ -12,29 +12,20 @@ keys. Writes benchmarks/train_indexer.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import time
-from pathlib import Path
-
-import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.training.indexer import peaked_layer, train_indexer
+
+from common import apply_threads, machine_info, make_parser, write_json
 
 RUNS = {"tiny": dict(steps=300, seq_len=128, log_every=25), "small": dict(steps=150, seq_len=512, log_every=25)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on the shared 2-core machine two OpenMP threads "
-                             "stall on every small op whenever the other core is busy)")
+    parser = make_parser(__doc__, default_threads=1)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     results = {}
     for preset, run in RUNS.items():
         steps = 20 if args.quick else run["steps"]
@@ -50,9 +41,7 @@ def main() -> None:
         for step, loss, recall in zip(history.steps, history.loss, history.recall):
             print(f"{step:>6} {loss:>9.4f} {recall:>8.3f}")
 
-    out = Path(__file__).with_suffix(".json")
-    out.write_text(json.dumps(dict(machine=dict(platform=platform.platform(), threads=torch.get_num_threads(),
-                                                torch=torch.__version__), runs=results), indent=2))
+    out = write_json(__file__, dict(machine=machine_info(), runs=results))
     print(f"wrote {out}")
 
 

@@ -36,3 +36,11 @@ def test_cost_ratio_breakdown_and_recall_figures():
     fig = viz.hybrid_breakdown_figure(hybrid_cost(full, 4096, 3))
     assert "3:1 KDA:DSA at 4,096" in fig.layout.title.text and len(fig.data) == 6
     assert len(viz.recall_curve_figure([0, 1], [0.5, 0.6], [1.0, 0.8]).data) == 2
+
+
+def test_equality_scatter_is_sampled_but_reports_the_worst_difference():
+    reference = torch.zeros(10_000)
+    chunked = reference.clone()
+    chunked[7] = 0.5  # not in the sample of every 3rd element
+    fig = viz.chunked_vs_recurrent_figure(reference, chunked, max_points=4000)
+    assert len(fig.data[0].x) <= 4000 and "5.0e-01" in fig.layout.title.text

@@ -5,10 +5,12 @@
     viz.multimodal patches and merge windows, interleaved sequences, image costs, routing by modality
     viz.attention  KDA state and gates, chunked vs recurrent, indexer top-k, hybrid cost curves
     viz.parallel   who holds what, rank-to-rank traffic, measured vs planned bytes, schedules, full-scale plans
+    viz.profiling  time per component by phase, scaling with prompt length, heaviest ops
 """
-from latentmoe_lab.viz import attention, model, multimodal, parallel, routing
+from latentmoe_lab.viz import attention, model, multimodal, parallel, profiling, routing
 from latentmoe_lab.viz.model import (cache_bytes_figure, expert_load_figure, load_imbalance_figure,
                                      parameter_breakdown_figure)
 
-__all__ = ["attention", "model", "multimodal", "parallel", "routing", "cache_bytes_figure", "expert_load_figure", "load_imbalance_figure",
+__all__ = ["attention", "model", "multimodal", "parallel", "profiling", "routing",
+           "cache_bytes_figure", "expert_load_figure", "load_imbalance_figure",
            "parameter_breakdown_figure"]

@@ -1,7 +1,7 @@
 """PeakMemory: counts the storages a block allocates and holds, the same on real and meta tensors."""
 import torch
 
-from latentmoe_lab.profiling import PeakMemory
+from latentmoe_lab.analysis.memory import PeakMemory
 
 
 def test_counts_new_storages_not_views_inputs_or_in_place_results():
