@@ -10,15 +10,6 @@ from latentmoe_lab.tokenizer import PAD_TOKEN_ID, SPECIAL_TOKENS
 START, IMAGE, END = SPECIAL_TOKENS["<image_start>"], SPECIAL_TOKENS["<image>"], SPECIAL_TOKENS["<image_end>"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # KDA's batched tiny triangular solves run orders of magnitude slower with 2 threads on a loaded 2-core box
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def processor(tiny_config):
     return ImageTextProcessor(tiny_config)

@@ -12,15 +12,6 @@ from latentmoe_lab.multimodal.cost import cache_bytes_per_token
 from latentmoe_lab.multimodal.synthetic import ANSWERS, shape_mask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # KDA's batched tiny triangular solves run orders of magnitude slower with 2 threads on a loaded 2-core box
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_synthetic_samples_are_reproducible_and_answers_live_in_pixels():
     a, b = make_samples(6, ("colour", "shape", "digit"), size=28, seed=3), make_samples(6, ("colour", "shape", "digit"),
                                                                                          size=28, seed=3)

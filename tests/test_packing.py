@@ -11,15 +11,6 @@ from latentmoe_lab.multimodal import ImageTextProcessor, pack, padding_fraction,
 LENGTHS = [40, 1, 7, 45]  # > and < the tiny indexer top-k (32), a one-token sequence, chunk-size misalignment
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # KDA's batched tiny triangular solves run orders of magnitude slower with 2 threads on a loaded 2-core box
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _packed_inputs(hidden: int):
     x = torch.randn(1, sum(LENGTHS), hidden)
     cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])

@@ -7,15 +7,6 @@ from latentmoe_lab.training.balance import MODES, balance_config, compare_balanc
 SMALL_RUN = dict(steps=3, batch=2, seq_len=8, tail=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops: a second OpenMP thread only adds barrier waits, and on a loaded machine a lot of them.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _config(**moe):
     return balance_config("tiny", **moe).replace(num_layers=2)  # layer 0 dense FFN, layer 1 MoE
 
