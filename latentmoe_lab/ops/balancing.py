@@ -19,18 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def _check_indices(indices: torch.Tensor, num_experts: int, dims: int, layout: str) -> None:
-    if not isinstance(indices, torch.Tensor) or indices.dim() != dims:
-        shape = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
-        raise ValueError(f"indices: expected {dims} dims {layout}, got shape {shape}")
-    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-        raise TypeError(f"indices: expected an integer dtype, got {indices.dtype}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts: must be a positive integer, got {num_experts!r}")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_experts):
-        raise ValueError(f"indices: values must lie in [0, num_experts={num_experts}), "
-                         f"got range [{int(indices.min())}, {int(indices.max())}]")
+from latentmoe_lab.ops.routing import check_expert_indices
 
 
 def _check_logits(logits: torch.Tensor, dims: int, layout: str) -> None:
@@ -43,7 +32,7 @@ def _check_logits(logits: torch.Tensor, dims: int, layout: str) -> None:
 
 def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """indices [N, K] -> tokens routed to each expert [E] int64 (no gradient)."""
-    _check_indices(indices, num_experts, 2, "[N, K]")
+    check_expert_indices(indices, num_experts, 2, "[N, K]")
     return torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
 
 
@@ -67,7 +56,7 @@ def sequence_aux_loss(logits: torch.Tensor, indices: torch.Tensor, alpha: float 
     """
     _check_logits(logits, 3, "[B, T, E]")
     batch, seq_len, num_experts = logits.shape
-    _check_indices(indices, num_experts, 3, "[B, T, K]")
+    check_expert_indices(indices, num_experts, 3, "[B, T, K]")
     if tuple(indices.shape[:2]) != (batch, seq_len):
         raise ValueError(f"indices: expected leading dims ({batch}, {seq_len}) [B, T], got {tuple(indices.shape)}")
     top_k = indices.shape[-1]

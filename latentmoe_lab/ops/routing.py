@@ -132,19 +132,24 @@ class DispatchPlan:
     top_k: int
 
 
-def plan_dispatch(indices: torch.Tensor, num_experts: int) -> DispatchPlan:
-    """indices [N, K] int64 -> DispatchPlan; inside one expert the rows keep token order."""
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 2:
+def check_expert_indices(indices: torch.Tensor, num_experts: int, dims: int, layout: str) -> None:
+    """Raise unless indices is an integer tensor with `dims` dims (named `layout`) and values in [0, num_experts)."""
+    if not isinstance(indices, torch.Tensor) or indices.dim() != dims:
         shape = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
-        raise ValueError(f"indices: expected 2 dims [N, K], got shape {shape}")
+        raise ValueError(f"indices: expected {dims} dims {layout}, got shape {shape}")
     if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         raise TypeError(f"indices: expected an integer dtype, got {indices.dtype}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: must be a positive integer, got {num_experts!r}")
-    flat = indices.reshape(-1).long()
-    if flat.numel() and (flat.min() < 0 or flat.max() >= num_experts):
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_experts):
         raise ValueError(f"indices: values must lie in [0, num_experts={num_experts}), "
-                         f"got range [{int(flat.min())}, {int(flat.max())}]")
+                         f"got range [{int(indices.min())}, {int(indices.max())}]")
+
+
+def plan_dispatch(indices: torch.Tensor, num_experts: int) -> DispatchPlan:
+    """indices [N, K] int64 -> DispatchPlan; inside one expert the rows keep token order."""
+    check_expert_indices(indices, num_experts, 2, "[N, K]")
+    flat = indices.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     return DispatchPlan(order=order, token_index=order // indices.shape[1], counts=counts,
