@@ -11,6 +11,9 @@ T >= 8192, since it costs seconds there.
 FLOP lower bound per head (DESIGN 1.3): 6 T d^2 + 3 T C d + T C^2 FLOPs. The bound's time is those
 FLOPs at the best fp32 matmul rate measured in this process (a 1024^3 matmul), so the ratio
 chunked / bound says how far the eager PyTorch op is from a kernel that only ran matmuls at peak.
+A second rate, that of a batch of d x d products (the shapes a chunk is made of), shows how much of
+the gap is the small matrices themselves. Peak memory is the chunked op's own tensor storage
+(latentmoe_lab.analysis.memory.PeakMemory): it stops growing with T once chunks run in groups.
 Writes benchmarks/bench_kda.json.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 
 import torch
 
+from latentmoe_lab.analysis.memory import PeakMemory
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.norms import l2_norm
 
@@ -50,6 +54,14 @@ def matmul_peak_gflops(repeats: int = 7) -> float:
     return 2 * 1024 ** 3 / best / 1e9
 
 
+def small_matmul_gflops(dim: int, repeats: int = 7) -> float:
+    """Best fp32 GFLOP/s of 256 independent [dim, dim] @ [dim, dim] products (one batched matmul)."""
+    a, b = torch.randn(256, dim, dim), torch.randn(256, dim, dim)
+    a @ b
+    best = min(timed(lambda: a @ b)[0] for _ in range(repeats))
+    return 2 * 256 * dim ** 3 / best / 1e9
+
+
 def flop_lower_bound(seq_len: int, heads: int, dim: int, chunk: int) -> float:
     return heads * (6 * seq_len * dim ** 2 + 3 * seq_len * chunk * dim + seq_len * chunk ** 2)
 
@@ -66,15 +78,17 @@ def main() -> None:
     lengths = [512, 1024] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     repeats = 2 if args.quick else args.repeats
 
-    peak = matmul_peak_gflops()
-    print(f"fp32 matmul peak here: {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    peak, small = matmul_peak_gflops(), small_matmul_gflops(args.dim)
+    print(f"fp32 matmul rate here ({torch.get_num_threads()} threads): {peak:.1f} GFLOP/s at 1024^3, "
+          f"{small:.1f} GFLOP/s for 256 x {args.dim}^3")
     header = (f"{'T':>6} {'chunked ms':>11} {'recurrent ms':>13} {'speedup':>8} {'bound ms':>9} "
-              f"{'chunked/bound':>14} {'max |diff|':>11}")
+              f"{'chunked/bound':>14} {'at d^3 rate':>12} {'peak MiB':>9} {'max |diff|':>11}")
     print(header)
     rows = []
     for seq_len in lengths:
         inputs = make_inputs(seq_len, args.heads, args.dim)
-        kda_chunked(*inputs, chunk_size=args.chunk)  # warm-up
+        with PeakMemory() as memory:  # doubles as the warm-up
+            kda_chunked(*inputs, chunk_size=args.chunk)
         runs_recurrent = repeats if seq_len < 8192 else args.recurrent_repeats
         chunked_s, recurrent_s, max_diff = [], [], 0.0
         for i in range(max(repeats, runs_recurrent)):
@@ -86,16 +100,20 @@ def main() -> None:
                 recurrent_s.append(seconds)
                 max_diff = max(max_diff, (fast - slow).abs().max().item())
         chunked, recurrent = statistics.median(chunked_s), statistics.median(recurrent_s)
-        bound = flop_lower_bound(seq_len, args.heads, args.dim, args.chunk) / (peak * 1e9)
+        flops = flop_lower_bound(seq_len, args.heads, args.dim, args.chunk)
+        bound, bound_small = flops / (peak * 1e9), flops / (small * 1e9)
         row = dict(T=seq_len, chunked_ms=1e3 * chunked, recurrent_ms=1e3 * recurrent,
                    speedup=recurrent / chunked, bound_ms=1e3 * bound, chunked_over_bound=chunked / bound,
+                   chunked_over_small_matmul_bound=chunked / bound_small, peak_mib=memory.peak_bytes / 2 ** 20,
                    max_abs_diff=max_diff, chunked_repeats=len(chunked_s), recurrent_repeats=len(recurrent_s))
         rows.append(row)
         print(f"{seq_len:>6} {row['chunked_ms']:>11.1f} {row['recurrent_ms']:>13.1f} {row['speedup']:>7.1f}x "
-              f"{row['bound_ms']:>9.2f} {row['chunked_over_bound']:>13.1f}x {max_diff:>11.1e}", flush=True)
+              f"{row['bound_ms']:>9.2f} {row['chunked_over_bound']:>13.1f}x "
+              f"{row['chunked_over_small_matmul_bound']:>11.1f}x {row['peak_mib']:>9.1f} {max_diff:>11.1e}",
+              flush=True)
 
     result = dict(config=dict(B=1, H=args.heads, d_k=args.dim, d_v=args.dim, chunk=args.chunk, dtype="fp32"),
-                  machine=machine_info(matmul_peak_gflops=peak), rows=rows)
+                  machine=machine_info(matmul_peak_gflops=peak, small_matmul_gflops=small), rows=rows)
     out = write_json(__file__, result)
     print(f"wrote {out}")
 

@@ -1,10 +1,12 @@
-"""kda_chunked's sub-chunked intra-chunk form against the recurrence: both gate forms, odd chunk sizes, gradients."""
+"""kda_chunked's sub-chunked intra-chunk form against the recurrence: both gate forms, odd chunk sizes, gradients,
+hard resets (the pairwise fallback), and chunk groups."""
 import pytest
 import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.kda import KimiDeltaAttention
-from latentmoe_lab.ops.kda import _sub_chunk_size, kda_chunked, kda_recurrent
+from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
+from latentmoe_lab.ops.kda_intra import sub_chunk_size
 from latentmoe_lab.ops.norms import l2_norm
 
 
@@ -66,6 +68,32 @@ def test_gradients_match_the_recurrence():
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("chunk_size,expected", [(64, 8), (48, 6), (16, 4), (8, 2), (7, 1), (1, 1), (128, 8)])
-def test_sub_chunk_size_divides_the_chunk_near_its_square_root(chunk_size, expected):
-    assert _sub_chunk_size(chunk_size) == expected
+@pytest.mark.parametrize("chunk_size,expected", [(64, 16), (48, 16), (16, 16), (12, 12), (50, 10), (7, 7), (1, 1),
+                                                 (128, 16)])
+def test_sub_chunk_size_is_the_largest_divisor_up_to_16(chunk_size, expected):
+    assert sub_chunk_size(chunk_size) == expected
+
+
+@pytest.mark.parametrize("group_rows", [1, 100, 10_000])
+def test_chunk_groups_carry_the_state(monkeypatch, group_rows):
+    """Groups of one chunk, of a few chunks with a ragged last group, and one group for everything agree."""
+    q, k, v, g, beta, state = layer_inputs("softplus", 150, seed=4)
+    g[:, 70, 0] = -1000.0
+    monkeypatch.setattr("latentmoe_lab.ops.kda.GROUP_ROWS", group_rows)
+    out, final = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=16)
+    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+
+
+def test_mild_and_extreme_sub_chunks_mix_in_one_chunk():
+    """One sub-chunk decays past 1 / SAFE_GROWTH without any single huge step; its neighbours stay mild."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 64, 2, 8, generator=gen), l2_norm(torch.randn(1, 64, 2, 8, generator=gen))
+    v, beta = torch.randn(1, 64, 2, 8, generator=gen), torch.rand(1, 64, 2, generator=gen)
+    g = -0.05 * torch.rand(1, 64, 2, 8, generator=gen)
+    g[:, 16:32, 0, 3] = -3.5  # 16 x 3.5 = 56 nats > log(SAFE_GROWTH) = 46 in one channel of sub-chunk 1
+    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, output_final_state=True)
+    out, final = kda_chunked(q, k, v, g, beta, output_final_state=True, chunk_size=64)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)

@@ -23,10 +23,9 @@ S_t = exp(Gamma_t) S + sum_{j<=t} exp(Gamma_t - Gamma_j) k_j u_j^T with
 u_t = beta_t (v_t - (decayed S_{t-1})^T k_t); substituting S_{t-1} into u_t yields the
 unit-lower-triangular system (I + A) U_true = diag(beta) (V - (exp(Gamma) * K) S).
 
-g is a log-space decay (g <= 0). Every exp() argument is then <= 0: each decay is
-exp(Gamma_later - Gamma_earlier) with the later position first (pairs j > i are masked
-before exp), so g = -1000 gives exact zeros, never inf or NaN. Gamma is summed in fp64
-so that those differences keep fp32 accuracy after such a reset.
+g is a log-space decay (g <= 0). The chunked form never takes exp() of a positive number:
+each decay is a product of exp(g_t) factors (ops/kda_intra.py), which keeps fp32's relative
+precision however deep the decay, and g = -1000 gives exact zeros, never inf or NaN.
 """
 from __future__ import annotations
 
@@ -37,6 +36,11 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 
 from latentmoe_lab.ops.backend import resolve_backend
+from latentmoe_lab.ops.kda_intra import ChunkDecays, intra_chunk_scores, sub_chunk_size
+
+# Token-heads per group of chunks in kda_chunked: 8192 x 64 fp32 channels = 2 MiB per intermediate, so a
+# group's working set stays in cache (larger groups stream DRAM; smaller ones pay more Python per token).
+GROUP_ROWS = 8192
 
 
 def kda_recurrent(
@@ -96,8 +100,8 @@ def kda_chunked(
 
     Intra-chunk work is batched over B, H and all chunks; only the state hand-off
     loops, once per chunk. Any T: the tail is padded with g = 0, beta = 0, k = 0,
-    which leaves the state untouched. Memory is O(B H T (c + C/c) K) with sub-chunks of c ~ sqrt(C)
-    tokens (see `_intra_chunk_scores`).
+    which leaves the state untouched. Chunks run in groups of about GROUP_ROWS token-heads, so memory
+    is O(GROUP_ROWS K) beyond the inputs and output, at any T (intra-chunk math: ops/kda_intra.py).
     backend (see ops.backend): the "triton" kernel rounds chunk_size to a power of two in [16, 128].
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -112,103 +116,53 @@ def kda_chunked(
     if seq_len == 0:
         return v.new_zeros(batch, 0, heads, dim_v), state if output_final_state else None
 
-    num_chunks = math.ceil(seq_len / chunk_size)
-    pad = num_chunks * chunk_size - seq_len
-    q, k, v = (
-        rearrange(F.pad(t.float(), (0, 0, 0, 0, 0, pad)), "b (n c) h d -> b h n c d", c=chunk_size)
-        for t in (q, k, v)
-    )
-    g = rearrange(F.pad(g.double(), (0, 0, 0, 0, 0, pad)), "b (n c) h d -> b h n c d", c=chunk_size)
-    beta = rearrange(F.pad(beta.float(), (0, 0, 0, pad)), "b (n c) h -> b h n c", c=chunk_size)
-    q = q * scale
-    # fp64 cumsum: a difference Gamma_i - Gamma_j of two cumsums stays exact to fp32 even after a
-    # g = -1000 reset has pushed both near -1000 (in fp32 it would lose ~6e-5). Only [B, H, N, C, K].
-    gamma = g.cumsum(dim=-2)  # [B, H, N, C, K], non-increasing along C
-    attn_qk, attn_kk = _intra_chunk_scores(q, k, gamma)
-    attn_kk = beta[..., :, None] * attn_kk
-
-    # One triangular solve gives both W and U: (I + A) [W | U] = diag(beta) [exp(Gamma) * K | V].
-    decay = gamma.float().exp()  # exp(Gamma_i): from the chunk start to i
-    eye = torch.eye(chunk_size, device=q.device)
-    rhs = beta[..., None] * torch.cat([decay * k, v], dim=-1)
-    w, u = torch.linalg.solve_triangular(eye + attn_kk, rhs, upper=False, unitriangular=True).split(
-        [dim_k, dim_v], dim=-1
-    )
-
-    chunk_decay = decay[..., -1, :]  # [B, H, N, K]
-    k_to_end = _decay(gamma[..., -1:, :], gamma) * k  # keys decayed to the chunk end: exp(Gamma_C - Gamma_j)
-    chunk_starts, writes = [], []
-    for n in range(num_chunks):
-        chunk_starts.append(state)
-        write = u[:, :, n] - w[:, :, n] @ state  # V' = U - W S
-        writes.append(write)
-        state = chunk_decay[:, :, n, :, None] * state + k_to_end[:, :, n].transpose(-1, -2) @ write
-    chunk_starts = torch.stack(chunk_starts, dim=2)  # [B, H, N, K, V]
-    writes = torch.stack(writes, dim=2)  # [B, H, N, C, V]
-
-    out = (q * decay) @ chunk_starts + attn_qk @ writes
-    out = rearrange(out, "b h n c v -> b (n c) h v")[:, :seq_len]
+    # Groups of whole chunks, about GROUP_ROWS token-heads each; the state carries from group to group.
+    state = rearrange(state, "b h k v -> (b h) k v")
+    group = max(1, GROUP_ROWS // (batch * heads * chunk_size)) * chunk_size
+    outputs = []
+    for first in range(0, seq_len, group):
+        pieces = (t[:, first:first + group] for t in (q, k, v, g, beta))
+        out, state = _chunk_group(*pieces, state, scale, chunk_size)
+        outputs.append(out)
+    out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    state = rearrange(state, "(b h) k v -> b h k v", b=batch)
     return out.to(out_dtype), state if output_final_state else None
 
 
-def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Aqk (j <= i) and the unscaled A (j < i) of every chunk at once, with exp() arguments <= 0.
+def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, scale: float, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over one group of whole chunks: [B, T_g, H, d] inputs, state [B*H, K, V] -> ([B, T_g, H, V] fp32, state).
 
-    q, k: [..., C, K] fp32; gamma: [..., C, K] fp64 cumsum of g  ->  two [..., C, C] fp32 matrices.
-    The chunk splits into sub-chunks of c tokens. Pairs inside one sub-chunk take the pairwise
-    decay [c, c, K] directly. A pair (i in sub-chunk a, j in an earlier sub-chunk b) factors through
-    the sub-chunk boundaries, every factor a decay <= 1:
-        exp(Gamma_i - Gamma_j) = exp(Gamma_i - Gamma_start(a)) exp(Gamma_start(a) - Gamma_end(b))
-                                 exp(Gamma_end(b) - Gamma_j)
-    so those blocks are matrix products. Memory O(T (c + C/c) K) instead of O(T C K).
+    Inside the group the layout is chunk-major, [N, B*H, C, d], so each slice the state loop takes is contiguous.
     """
-    chunk = q.shape[-2]
-    sub = _sub_chunk_size(chunk)
-    num_sub = chunk // sub
-    q_s, k_s, gamma_s = (rearrange(t, "... (a c) d -> ... a c d", c=sub) for t in (q, k, gamma))
-    rows = torch.stack([q_s, k_s])  # [2, ..., S, c, K]: q for Aqk, k for A, against the same keys
+    batch, seq_len = q.shape[:2]
+    num_chunks = math.ceil(seq_len / chunk_size)
+    pad = num_chunks * chunk_size - seq_len
+    q, k, v, g, beta = (
+        rearrange(F.pad(t.float(), (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t.float(),
+                  "b (n c) h ... -> n (b h) c ...", c=chunk_size).contiguous()
+        for t in (q, k, v, g, beta)
+    )
+    decays = ChunkDecays(g, sub_chunk_size(chunk_size))
+    attn_qk, attn_kk = intra_chunk_scores(q * scale, k, beta, g, decays)  # [N, BH, C, C]
 
-    # Diagonal blocks. gamma = hi + lo in fp32: hi_i - hi_j is exact when the gap is small next to
-    # Gamma (Sterbenz), lo restores the rest, so no fp64 [.., c, c, K] tensor is needed.
-    hi = gamma_s.float()
-    lo = (gamma_s - hi.double()).float()
-    gap = hi[..., :, None, :] - hi[..., None, :, :]  # [..., S, c(i), c(j), K]
-    gap.add_(lo[..., :, None, :]).sub_(lo[..., None, :, :])
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()[..., None]
-    keys_decayed = gap.masked_fill_(~causal, float("-inf")).exp_() * k_s[..., None, :, :]
-    diagonal = einsum(rows, keys_decayed, "x ... a i d, ... a i j d -> x ... a i j")
-    if num_sub == 1:
-        scores = diagonal[..., 0, :, :]
-    else:
-        end = gamma_s[..., -1, :]  # [..., S, K] Gamma at each sub-chunk's last token
-        start = F.pad(end[..., :-1, :], (0, 0, 1, 0))  # Gamma just before each sub-chunk
-        rows_from_start = rows * _decay(gamma_s, start[..., None, :])
-        keys_to_end = k_s * _decay(end[..., None, :], gamma_s)
-        sub_index = torch.arange(num_sub, device=q.device)
-        earlier = (sub_index[None, :] < sub_index[:, None])[..., None]  # [S(a), S(b), 1]: b < a
-        between = _decay(start[..., :, None, :], end[..., None, :, :], keep=earlier)  # [..., S(a), S(b), K]
-        keys_across = between[..., None, :] * keys_to_end[..., None, :, :, :]  # [..., S(a), S(b), c(j), K]
-        scores = einsum(rows_from_start, keys_across, "x ... a i d, ... a b j d -> x ... a i b j")
-        on_diagonal = torch.eye(num_sub, dtype=q.dtype, device=q.device)
-        scores = scores + einsum(diagonal, on_diagonal, "x ... a i j, a b -> x ... a i b j")
-        scores = rearrange(scores, "x ... a i b j -> x ... (a i) (b j)")
-    return scores[0], scores[1].tril(diagonal=-1)
+    # (I + diag(beta) A)^-1 diag(beta) once per chunk (A's unit diagonal is implied), then W and U.
+    eye = torch.eye(chunk_size, device=q.device)
+    solve = torch.linalg.solve_triangular(attn_kk, eye.expand_as(attn_kk), upper=False, unitriangular=True)
+    solve = solve * beta[..., None, :]
+    w = solve @ (decays.from_start * k)  # exp(Gamma) * K through the solve
+    u = solve @ v
 
+    k_to_end = (decays.to_end * k).transpose(-1, -2)  # [N, BH, K, C]: exp(Gamma_C - Gamma_j) k_j
+    chunk_starts, writes = [], []
+    for n in range(num_chunks):
+        chunk_starts.append(state)
+        writes.append(torch.baddbmm(u[n], w[n], state, alpha=-1.0))  # V' = U - W S
+        state = torch.baddbmm(decays.whole_chunk[n, :, :, None] * state, k_to_end[n], writes[-1])
+    chunk_starts, writes = torch.stack(chunk_starts), torch.stack(writes)  # [N, BH, K, V], [N, BH, C, V]
 
-def _decay(later: torch.Tensor, earlier: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """exp(later - earlier) in fp32 for fp64 cumulative log decays, later at or after earlier (argument <= 0).
-
-    Where `keep` is False the decay is 0, masked before exp so no inf appears, not even in the gradient.
-    """
-    gap = later - earlier
-    if keep is not None:
-        gap = gap.masked_fill(~keep, float("-inf"))
-    return gap.float().exp()
-
-
-def _sub_chunk_size(chunk_size: int) -> int:
-    """The largest divisor of chunk_size not above sqrt(chunk_size): balances the c and C/c memory terms."""
-    return max(d for d in range(1, math.isqrt(chunk_size) + 1) if chunk_size % d == 0)
+    out = (q * (decays.from_start * scale)) @ chunk_starts + attn_qk @ writes
+    return rearrange(out, "n (b h) c v -> b (n c) h v", b=batch)[:, :seq_len], state
 
 
 def _start_state(
