@@ -62,8 +62,8 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: 
     """
     sub, chunk = decays.sub, q.shape[-2]
     split = lambda t: rearrange(t, "... (s c) d -> ... s c d", c=sub)  # noqa: E731
-    rows = torch.cat([split(q), split(k * beta[..., None])], dim=-2)  # [..., S, 2c, K]
-    rows = rows * torch.cat([decays.within, decays.within], dim=-2)
+    rows = torch.stack([split(q), split(k * beta[..., None])], dim=-3) * decays.within[..., None, :, :]
+    rows = rearrange(rows, "... s x c d -> ... s (x c) d")  # [..., S, 2c, K]: q rows, then beta k rows
     keys = split(k) * decays.after  # decayed to the end of their own sub-chunk
     safe = decays.totals.amin(dim=-1) >= 1.0 / SAFE_GROWTH  # [..., S]
     # 1 / totals where safe, else 0 (the clamp keeps a 1/0 out of the gradient).
