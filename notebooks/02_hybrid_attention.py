@@ -113,11 +113,15 @@ viz.kda_state_steps_figure(torch.stack(states), labels=[f"token {t}" for t in ra
 # hand-off of $S$ from one chunk to the next is a loop. Inside a chunk the pairwise decays
 # $e^{\Gamma_i - \Gamma_j}$ ($\Gamma$ = cumulative $g$) are never formed for all $C \times C$ pairs:
 #
-# - pairs in the same **sub-chunk** of $c \approx \sqrt{C}$ tokens get their decay directly;
-# - every other pair factors through the sub-chunk boundaries as a product of three decays, each $\le 1$,
-#   so those blocks are matrix products and no `exp()` argument is ever positive;
-# - $\Gamma$ is summed in fp64, so a difference of two cumulative sums stays exact to fp32 even after a
-#   $g = -1000$ reset has pushed both near $-1000$.
+# - every decay is a **product** of per-token factors $e^{g_t}$, never $e^{x}$ of a positive $x$: products keep
+#   fp32's relative precision however deep the decay, and a $g = -1000$ reset gives an exact 0;
+# - the chunk splits into sub-chunks of $c = 16$ tokens; every pair $(i, j)$ factors through the start of
+#   $i$'s sub-chunk, $e^{\Gamma_i - \Gamma_j} = e^{\Gamma_i - \Gamma_{s}}\, e^{\Gamma_{s} - \Gamma_j}$, so one matrix product
+#   per sub-chunk scores all its pairs (both factors are $\le 1$ for earlier sub-chunks);
+# - inside the sub-chunk the key factor is a growth $\ge 1$, bounded by how much the sub-chunk decays in
+#   total; where that exceeds $10^{20}$ in some channel (a hard reset), that sub-chunk's diagonal block takes
+#   its pairwise decays directly instead;
+# - chunks run in groups of about 2k tokens, so memory stays flat however long the sequence.
 #
 # Below: a ragged length, an initial state, resets in two heads, and every chunk size the tests use.
 
