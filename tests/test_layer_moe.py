@@ -151,3 +151,22 @@ def test_swiglu_formula_and_validation():
         SwiGLU(6, 0)
     with pytest.raises(ValueError, match="^x:"):
         ffn(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["grouped_mm", "padded"])
+@pytest.mark.parametrize("tile_rows", [1, 3, 7])
+def test_cpu_row_tiles_match_the_reference(monkeypatch, grad, tile_rows):
+    """Tiles of 1, 3 and 7 permuted rows: experts split across tiles, tiles with one expert, an empty expert."""
+    monkeypatch.setattr("latentmoe_lab.ops.routing.CPU_TILE_ROWS", tile_rows)
+    layer = _layer()
+    layer.correction_bias[7] = -10.0
+    x = _input(layer, batch=2, tokens=5).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out, ref = layer(x), layer.reference_forward(x)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert layer.last_expert_counts[7] == 0
+    if grad:
+        (grad_x, grad_w13), (ref_x, ref_w13) = (torch.autograd.grad(y.square().sum(), [x, layer.experts.w13])
+                                                for y in (out, ref))
+        torch.testing.assert_close(grad_x, ref_x, **TOL)
+        torch.testing.assert_close(grad_w13, ref_w13, **TOL)

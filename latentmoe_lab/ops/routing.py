@@ -26,6 +26,10 @@ from latentmoe_lab.ops.backend import resolve_backend
 
 # 0/0 guard: sigmoid underflows to exactly 0 for logits below about -104.
 _MIN_SCORE_SUM = 1e-20
+# Permuted rows per step of the row-wise work on CPU (combine, LatentExperts): 4096 x 256 fp32 is 4 MiB, so
+# the intermediates stay in cache and below glibc's 32 MiB mmap limit, past which every allocation of a
+# whole-batch intermediate is fresh pages (page faults cost more than the arithmetic here). GPUs take all rows.
+CPU_TILE_ROWS = 4096
 
 
 def _check_routing_args(logits, top_k, bias, n_group, topk_group) -> None:
@@ -197,10 +201,17 @@ def combine(y: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, num_toke
     if resolve_backend(backend, y, weights) == "triton":
         from latentmoe_kernels.grouped_gemm import combine as combine_triton
         return combine_triton(y, weights, plan.order)
-    row_weight = weights.float().reshape(-1)[plan.order]
-    weighted = y.float() * row_weight.unsqueeze(-1)
+    row_weight = weights.float().reshape(-1)[plan.order].unsqueeze(-1)
     out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-    return out.index_add(0, plan.token_index, weighted)
+    for start, stop in row_tiles(rows, y.device):
+        out.index_add_(0, plan.token_index[start:stop], y[start:stop].float() * row_weight[start:stop])
+    return out
+
+
+def row_tiles(rows: int, device: torch.device) -> list[tuple[int, int]]:
+    """(start, stop) ranges covering `rows`: CPU_TILE_ROWS at a time on CPU, all at once elsewhere."""
+    step = CPU_TILE_ROWS if device.type == "cpu" else max(rows, 1)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def _check_grouped_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
