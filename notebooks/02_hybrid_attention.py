@@ -115,12 +115,12 @@ viz.kda_state_steps_figure(torch.stack(states), labels=[f"token {t}" for t in ra
 #
 # - every decay is a **product** of per-token factors $e^{g_t}$, never $e^{x}$ of a positive $x$: products keep
 #   fp32's relative precision however deep the decay, and a $g = -1000$ reset gives an exact 0;
-# - the chunk splits into sub-chunks of $c = 16$ tokens; every pair $(i, j)$ factors through the start of
-#   $i$'s sub-chunk, $e^{\Gamma_i - \Gamma_j} = e^{\Gamma_i - \Gamma_{s}}\, e^{\Gamma_{s} - \Gamma_j}$, so one matrix product
-#   per sub-chunk scores all its pairs (both factors are $\le 1$ for earlier sub-chunks);
-# - inside the sub-chunk the key factor is a growth $\ge 1$, bounded by how much the sub-chunk decays in
-#   total; where that exceeds $10^{20}$ in some channel (a hard reset), that sub-chunk's diagonal block takes
-#   its pairwise decays directly instead;
+# - a chunk's pairs $(i, j)$ factor through its start: $e^{\Gamma_i - \Gamma_j} = e^{\Gamma_i - \Gamma_0} \cdot e^{\Gamma_0 - \Gamma_j}$,
+#   so **one matrix product** scores every pair; the key side grows by up to $1 / e^{\Gamma_C}$, so this is done
+#   only where no channel decays by more than $10^{20}$ inside the chunk;
+# - a chunk that decays more (a hard reset) is **halved**: pairs across the midpoint $m$ factor through
+#   $m$ with both sides $\le 1$, and each half is treated the same way, down to blocks of 8 tokens that take
+#   every pair's decay directly; mild gates cost one product per chunk, a reset a few halvings around it;
 # - chunks run in groups of about 2k tokens, so memory stays flat however long the sequence.
 #
 # Below: a ragged length, an initial state, resets in two heads, and every chunk size the tests use.

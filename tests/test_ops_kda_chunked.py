@@ -1,12 +1,11 @@
-"""kda_chunked's sub-chunked intra-chunk form against the recurrence: both gate forms, odd chunk sizes, gradients,
-hard resets (the pairwise fallback), and chunk groups."""
+"""kda_chunked's intra-chunk form against the recurrence: both gate forms, odd chunk sizes, gradients,
+hard resets and deep decays (blocks halved down to single tokens), and chunk groups."""
 import pytest
 import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.kda import KimiDeltaAttention
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
-from latentmoe_lab.ops.kda_intra import sub_chunk_size
 from latentmoe_lab.ops.norms import l2_norm
 
 
@@ -43,7 +42,7 @@ def test_chunked_matches_recurrent_for_both_gate_forms(gate_form, seq_len, chunk
     torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
 
 
-def test_many_resets_inside_one_sub_chunk_stay_exact():
+def test_many_resets_close_together_stay_exact():
     """Resets push the cumulative decay to -1000s; pairs after the last reset still need fp32-exact gaps."""
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(1, 70, 1, 8, generator=gen), l2_norm(torch.randn(1, 70, 1, 8, generator=gen))
@@ -68,10 +67,15 @@ def test_gradients_match_the_recurrence():
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("chunk_size,expected", [(64, 16), (48, 16), (16, 16), (12, 12), (50, 10), (7, 7), (1, 1),
-                                                 (128, 16)])
-def test_sub_chunk_size_is_the_largest_divisor_up_to_16(chunk_size, expected):
-    assert sub_chunk_size(chunk_size) == expected
+@pytest.mark.parametrize("chunk_size", [64, 50, 7])
+def test_blocks_halved_down_to_single_tokens(monkeypatch, chunk_size):
+    """SAFE_GROWTH = 1 lets no decaying block grow its keys: every chunk is halved to single tokens."""
+    monkeypatch.setattr("latentmoe_lab.ops.kda_intra.SAFE_GROWTH", 1.0)
+    q, k, v, g, beta, state = layer_inputs("lower_bound", 130, seed=6)
+    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    out, final = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=chunk_size)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("group_rows", [1, 100, 10_000])
@@ -86,13 +90,13 @@ def test_chunk_groups_carry_the_state(monkeypatch, group_rows):
     torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
 
 
-def test_mild_and_extreme_sub_chunks_mix_in_one_chunk():
-    """One sub-chunk decays past 1 / SAFE_GROWTH without any single huge step; its neighbours stay mild."""
+def test_one_deep_channel_halves_only_its_chunk():
+    """One channel of tokens 16..31 decays past 1 / SAFE_GROWTH without any single huge step; the rest stays mild."""
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(1, 64, 2, 8, generator=gen), l2_norm(torch.randn(1, 64, 2, 8, generator=gen))
     v, beta = torch.randn(1, 64, 2, 8, generator=gen), torch.rand(1, 64, 2, generator=gen)
     g = -0.05 * torch.rand(1, 64, 2, 8, generator=gen)
-    g[:, 16:32, 0, 3] = -3.5  # 16 x 3.5 = 56 nats > log(SAFE_GROWTH) = 46 in one channel of sub-chunk 1
+    g[:, 16:32, 0, 3] = -3.5  # 16 x 3.5 = 56 nats > log(SAFE_GROWTH) = 46 in one channel
     ref_out, ref_state = kda_recurrent(q, k, v, g, beta, output_final_state=True)
     out, final = kda_chunked(q, k, v, g, beta, output_final_state=True, chunk_size=64)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)

@@ -32,8 +32,8 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.ops.balancing import bias_update, router_z_loss, sequence_aux_loss
-from latentmoe_lab.ops.routing import (combine, grouped_matmul, permute, plan_dispatch, route_topk, route_topk_reference,
-                                       row_tiles)
+from latentmoe_lab.ops.routing import (combine, grouped_matmul, permute, plan_dispatch, route_topk,
+                                       route_topk_reference, row_tiles)
 
 
 class Dispatcher(Protocol):

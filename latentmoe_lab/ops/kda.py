@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 
 from latentmoe_lab.ops.backend import resolve_backend
-from latentmoe_lab.ops.kda_intra import ChunkDecays, intra_chunk_scores, sub_chunk_size
+from latentmoe_lab.ops.kda_intra import ChunkDecays, intra_chunk_scores
 
 # Token-heads per group of chunks in kda_chunked: 8192 x 64 fp32 channels = 2 MiB per intermediate, so a
 # group's working set stays in cache (larger groups stream DRAM; smaller ones pay more Python per token).
@@ -143,8 +143,8 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                   "b (n c) h ... -> n (b h) c ...", c=chunk_size).contiguous()
         for t in (q, k, v, g, beta)
     )
-    decays = ChunkDecays(g, sub_chunk_size(chunk_size))
-    attn_qk, attn_kk = intra_chunk_scores(q * scale, k, beta, g, decays)  # [N, BH, C, C]
+    decays = ChunkDecays(g)
+    attn_qk, attn_kk = intra_chunk_scores(q * scale, k, beta, decays)  # [N, BH, C, C]
 
     # (I + diag(beta) A)^-1 diag(beta) once per chunk (A's unit diagonal is implied), then W and U.
     eye = torch.eye(chunk_size, device=q.device)

@@ -1,120 +1,120 @@
 """The intra-chunk half of chunked KDA (ops/kda.py): the decays inside a chunk and the two C x C score matrices.
 
-Everything here is batched over any leading dims ([N, B*H] in kda_chunked) and has a plain twin: the
+Everything here is batched over any leading dims ([N, B*H] in kda_chunked); its plain twin is the
 per-token recurrence `kda_recurrent`, which tests compare it with.
+
+Decays are products of exp(g_t), never exp() of a positive number: products keep fp32's relative
+precision however deep the decay (a difference of two long cumsums would not), and a decay that
+underflows to 0 is exact to 1e-38 (g = -1000 resets give exact zeros, never inf or NaN).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import einsum, rearrange
+from einops import einsum
 
-# A sub-chunk's own keys are grown by up to 1 / (its total decay); beyond this the pairwise form takes over.
+# A block's own keys are grown by up to 1 / (the block's total decay); past this the block is halved.
 SAFE_GROWTH = 1e20
+# Blocks this small take every pair's decay directly ([s, s, K] per block) instead of halving further.
+PAIRWISE_SIZE = 8
 
 
 class ChunkDecays:
-    """Every decay the chunked form needs, as products of exp(g): no exp() of a positive number.
+    """g: [..., C, K] log decays of each chunk (Gamma = their cumsum inside the chunk) ->
 
-    g: [..., C, K] log decays per chunk, C = S sub-chunks of c tokens. Products keep fp32's relative
-    precision at any depth of decay (a difference of two long cumsums would not), and a decay that
-    underflows to 0 is exact to 1e-38. With Gamma the cumsum of g inside the chunk:
-
-      within       [..., S, c, K]  exp(Gamma_i - Gamma_start(a)), from sub-chunk a's start through i (<= 1)
-      after        [..., S, c, K]  exp(Gamma_end(a) - Gamma_i), from after i to the end of a (<= 1)
-      totals       [..., S, K]     exp(Gamma_end(a) - Gamma_start(a)), all of sub-chunk a
-      from_start   [..., C, K]     exp(Gamma_i), from the chunk start through i
-      to_end       [..., C, K]     exp(Gamma_C - Gamma_i), from after i to the chunk end
-      whole_chunk  [..., K]        exp(Gamma_C)
+      steps        [..., C, K]  exp(g_i)
+      from_start   [..., C, K]  exp(Gamma_i), from the chunk start through i
+      to_end       [..., C, K]  exp(Gamma_C - Gamma_i), from after i to the chunk end
+      whole_chunk  [..., K]     exp(Gamma_C)
     """
 
-    def __init__(self, g: torch.Tensor, sub: int):
-        self.sub = sub
-        steps = rearrange(g.exp(), "... (s c) d -> ... s c d", c=sub)
-        self.within = steps.cumprod(dim=-2)
-        self.after = _exclusive_suffix_product(steps)
-        self.totals = self.within[..., -1, :]
-        before_sub = _exclusive_prefix_product(self.totals)
-        self.from_start = rearrange(before_sub[..., None, :] * self.within, "... s c d -> ... (s c) d")
-        self.to_end = rearrange(_exclusive_suffix_product(self.totals)[..., None, :] * self.after,
-                                "... s c d -> ... (s c) d")
-        self.whole_chunk = before_sub[..., -1, :] * self.totals[..., -1, :]
-
-    def before(self, sub_chunk: int) -> torch.Tensor:
-        """[..., sub_chunk, K]: exp(Gamma_start(sub_chunk) - Gamma_end(b)) for each earlier sub-chunk b (<= 1)."""
-        spans = self.totals[..., 1:sub_chunk, :].flip(-2)  # the sub-chunks in between, nearest first
-        ones = torch.ones_like(self.totals[..., :1, :])
-        return _exclusive_prefix_product(torch.cat([spans, ones], dim=-2)).flip(-2) if sub_chunk else spans
+    def __init__(self, g: torch.Tensor):
+        self.steps = g.exp()
+        self.from_start = self.steps.cumprod(dim=-2)
+        self.to_end = _exclusive_suffix_product(self.steps)
+        self.whole_chunk = self.from_start[..., -1, :]
 
 
-def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-                        decays: ChunkDecays) -> tuple[torch.Tensor, torch.Tensor]:
-    """Aqk (j <= i) and diag(beta) A (j < i) of every chunk: [..., C, K] inputs -> two [..., C, C].
+def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
+                       decays: ChunkDecays) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aqk (j <= i) and diag(beta) A (j < i) of every chunk: [..., C, K] inputs, beta [..., C] -> two [..., C, C].
 
-    Both are sum_d row_id k_jd exp(Gamma_id - Gamma_jd), with row = q for Aqk and beta k for A,
-    factored through the start of i's sub-chunk a so that a matrix product does all pairs:
-        row side  row_i exp(Gamma_i - Gamma_start(a))                       <= 1
-        key side  k_j exp(Gamma_start(a) - Gamma_j)                         <= 1 for j before a,
-                  k_j after_j / totals_a  (= k_j / within_j)                >= 1 for j inside a.
-    The last factor is at most 1 / totals_a, so it is used only where every channel of the
-    sub-chunk keeps more than 1 / SAFE_GROWTH; the diagonal blocks of the other sub-chunks
-    (hard resets, g = -1000) take their pairwise decays directly (`_unsafe_diagonal_blocks`).
+    Both are sum_d row_id k_jd exp(Gamma_id - Gamma_jd), with row = q for Aqk and beta k for A. A block
+    of positions [a, b) takes all its pairs in one matrix product, factored through its start:
+        row_i exp(Gamma_i - Gamma_a)  .  k_j / exp(Gamma_j - Gamma_a)
+    The key side grows up to 1 / (the block's total decay), so that is done only where every channel
+    keeps more than 1 / SAFE_GROWTH. Any other block is halved at m: its cross pairs (j < m <= i)
+    factor through m with both sides <= 1, row_i exp(Gamma_i - Gamma_m) . k_j exp(Gamma_m - Gamma_j),
+    and each half is handled the same way, down to PAIRWISE_SIZE tokens, where every pair's decay is
+    formed directly. Mild gates cost one product per chunk; a hard reset, a few halvings around it.
     """
-    sub, chunk = decays.sub, q.shape[-2]
-    split = lambda t: rearrange(t, "... (s c) d -> ... s c d", c=sub)  # noqa: E731
-    rows = torch.stack([split(q), split(k * beta[..., None])], dim=-3) * decays.within[..., None, :, :]
-    rows = rearrange(rows, "... s x c d -> ... s (x c) d")  # [..., S, 2c, K]: q rows, then beta k rows
-    keys = split(k) * decays.after  # decayed to the end of their own sub-chunk
-    safe = decays.totals.amin(dim=-1) >= 1.0 / SAFE_GROWTH  # [..., S]
-    # 1 / totals where safe, else 0 (the clamp keeps a 1/0 out of the gradient).
-    growth = decays.totals.clamp_min(1.0 / SAFE_GROWTH).reciprocal() * safe[..., None]
-    fixes = None if safe.all() else _unsafe_diagonal_blocks(q, k, beta, g, safe, sub)
-
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
-    keep = torch.cat([causal, causal.tril(-1)])  # [2c, c]: Aqk keeps i = j, A does not
-    attn = q.new_zeros(*q.shape[:-2], 2, chunk, chunk)  # [..., (qk | A), C(i), C(j)]
-    for a in range(chunk // sub):
-        factors = torch.cat([decays.before(a), growth[..., a:a + 1, :]], dim=-2)  # [..., a + 1, K]
-        keys_a = rearrange(factors[..., None, :] * keys[..., :a + 1, :, :], "... b j d -> ... (b j) d")
-        block = rows[..., a, :, :] @ keys_a.transpose(-1, -2)  # [..., 2c, (a + 1) c]
-        diagonal = block[..., a * sub:]
-        if fixes is not None:
-            diagonal += fixes[..., a, :, :]
-        diagonal.masked_fill_(~keep, 0.0)
-        attn[..., :, a * sub:(a + 1) * sub, :(a + 1) * sub] = rearrange(block, "... (x i) j -> ... x i j", x=2)
+    *lead, chunk, dim = q.shape
+    rows = torch.stack([q, k * beta[..., None]], dim=-3).reshape(-1, 2, chunk, dim)  # [F, 2, C, K]
+    keys, steps = k.reshape(-1, chunk, dim), decays.steps.reshape(-1, chunk, dim)
+    attn = q.new_zeros(rows.shape[0], 2, chunk, chunk)  # [F, (qk | A), C(i), C(j)]
+    # Work items: (chunk ids [M] or None for all, block start, block size).
+    pending = [(None, 0, chunk)]
+    while pending:
+        ids, start, size = pending.pop()
+        block_rows, block_keys, block_steps = (_block(t, ids, start, size) for t in (rows, keys, steps))
+        if size <= PAIRWISE_SIZE:  # small enough to form every pair's decay, exactly
+            _write(attn, ids, start, start, _masked(_pairwise_scores(block_rows, block_keys, block_steps)))
+            continue
+        # decay from the block start through i (for whole chunks, the one kda_chunked needs anyway)
+        whole = size == chunk and ids is None
+        within = decays.from_start.reshape(-1, chunk, dim) if whole else block_steps.cumprod(dim=-2)
+        safe = within[:, -1].amin(dim=-1) >= 1.0 / SAFE_GROWTH  # [M]
+        grown = block_keys / within.clamp_min(1.0 / SAFE_GROWTH)  # the clamp only touches unsafe blocks
+        scores = _masked((block_rows * within[:, None]) @ grown.transpose(-1, -2)[:, None])
+        chunk_ids = torch.arange(rows.shape[0], device=q.device) if ids is None else ids
+        if bool(safe.all()):
+            _write(attn, ids, start, start, scores)
+            continue
+        _write(attn, chunk_ids[safe], start, start, scores[safe])
+        unsafe, half = chunk_ids[~safe], size // 2
+        rows_after = block_rows[~safe][:, :, half:] * block_steps[~safe][:, None, half:].cumprod(dim=-2)
+        keys_before = block_keys[~safe][:, :half] * _exclusive_suffix_product(block_steps[~safe][:, :half])
+        _write(attn, unsafe, start + half, start, rows_after @ keys_before.transpose(-1, -2)[:, None])
+        pending += [(unsafe, start, half), (unsafe, start + half, size - half)]
+    attn = attn.reshape(*lead, 2, chunk, chunk)
     return attn[..., 0, :, :], attn[..., 1, :, :]
 
 
-def _unsafe_diagonal_blocks(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-                            safe: torch.Tensor, sub: int) -> torch.Tensor:
-    """The diagonal blocks of Aqk and diag(beta) A for sub-chunks where `safe` is False, zero elsewhere.
+def _block(t: torch.Tensor, ids: torch.Tensor | None, start: int, size: int) -> torch.Tensor:
+    """t [F, ..., C, K] -> positions start:start + size of chunks ids (all when None): [M, ..., size, K]."""
+    block = t[..., start:start + size, :]
+    return block if ids is None else block[ids]
 
-    q, k, g: [..., C, K]; beta: [..., C]; safe: [..., S]  ->  [..., S, 2c, c] fp32. The pairwise decays
-    [c, c, K] of each unsafe sub-chunk come from an fp64 cumsum, later position first, so every exp()
-    argument is <= 0 (g = -1000 gives exact zeros).
+
+def _pairwise_scores(rows: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """rows [M, 2, s, K], keys and steps [M, s, K] -> [M, 2, s, s] with the decay of every pair j <= i.
+
+    decay[i, j] = prod_{j < t <= i} steps_t: a cumprod down i of steps_i placed where i > j (1 elsewhere).
     """
-    picked = (~safe).flatten().nonzero().squeeze(1)
-    q_sub, k_sub, g_sub = (rearrange(t, "... (s c) d -> (... s) c d", c=sub)[picked] for t in (q, k, g))
-    beta_sub = rearrange(beta, "... (s c) -> (... s) c", c=sub)[picked]
-    gamma = g_sub.double().cumsum(dim=-2)  # [M, c, K]
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()[..., None]
-    pairwise = (gamma[:, :, None, :] - gamma[:, None, :, :]).masked_fill(~causal, float("-inf")).exp().float()
-    rows = torch.cat([q_sub, k_sub * beta_sub[..., None]], dim=-2)  # [M, 2c, K]
-    blocks = q.new_zeros(safe.numel(), 2 * sub, sub)
-    blocks[picked] = einsum(rows, torch.cat([pairwise, pairwise], dim=1), k_sub, "m i d, m i j d, m j d -> m i j")
-    return blocks.view(*safe.shape, 2 * sub, sub)
+    size = steps.shape[1]
+    index = torch.arange(size, device=steps.device)
+    later = (index[:, None] > index[None, :])[..., None]  # [s(i), s(j), 1]
+    decay = torch.where(later, steps[:, :, None, :], torch.ones_like(steps[:, :1, None, :])).cumprod(dim=1)
+    return einsum(rows, decay, keys, "m x i d, m i j d, m j d -> m x i j")
 
 
-def _exclusive_prefix_product(x: torch.Tensor) -> torch.Tensor:
-    """[..., n, K] -> product of the rows before each row (1 for the first), along dim -2."""
-    return F.pad(x[..., :-1, :], (0, 0, 1, 0), value=1.0).cumprod(dim=-2)
+def _masked(scores: torch.Tensor) -> torch.Tensor:
+    """[M, 2, s, s] diagonal-block scores -> Aqk keeps j <= i, A keeps j < i."""
+    size = scores.shape[-1]
+    lower = torch.ones(size, size, dtype=torch.bool, device=scores.device).tril()
+    keep = torch.stack([lower, lower.tril(-1)])  # [2, s, s]
+    return scores.masked_fill(~keep, 0.0)
+
+
+def _write(attn: torch.Tensor, ids: torch.Tensor | None, row: int, col: int, block: torch.Tensor) -> None:
+    """attn[ids, :, row:row + r, col:col + c] = block [M, 2, r, c] (all chunks when ids is None)."""
+    rows, cols = block.shape[-2:]
+    if ids is None:
+        attn[:, :, row:row + rows, col:col + cols] = block
+    else:
+        attn[ids, :, row:row + rows, col:col + cols] = block
 
 
 def _exclusive_suffix_product(x: torch.Tensor) -> torch.Tensor:
     """[..., n, K] -> product of the rows after each row (1 for the last), along dim -2."""
-    return _exclusive_prefix_product(x.flip(-2)).flip(-2)
-
-
-def sub_chunk_size(chunk_size: int) -> int:
-    """The largest divisor of chunk_size not above 16 (4 sub-chunks of a 64-token chunk; a prime C > 16 gets 1)."""
-    return max(d for d in range(1, min(chunk_size, 16) + 1) if chunk_size % d == 0)
+    return F.pad(x.flip(-2)[..., :-1, :], (0, 0, 1, 0), value=1.0).cumprod(dim=-2).flip(-2)
