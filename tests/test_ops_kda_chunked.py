@@ -68,8 +68,8 @@ def test_gradients_match_the_recurrence():
 
 
 @pytest.mark.parametrize("chunk_size", [64, 50, 7])
-def test_blocks_halved_down_to_single_tokens(monkeypatch, chunk_size):
-    """SAFE_GROWTH = 1 lets no decaying block grow its keys: every chunk is halved to single tokens."""
+def test_blocks_halved_down_to_pairwise_blocks(monkeypatch, chunk_size):
+    """SAFE_GROWTH = 1 lets no decaying block grow its keys: every chunk is halved down to the pairwise form."""
     monkeypatch.setattr("latentmoe_lab.ops.kda_intra.SAFE_GROWTH", 1.0)
     q, k, v, g, beta, state = layer_inputs("lower_bound", 130, seed=6)
     ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)

@@ -51,39 +51,42 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     *lead, chunk, dim = q.shape
     rows = torch.stack([q, k * beta[..., None]], dim=-3).reshape(-1, 2, chunk, dim)  # [F, 2, C, K]
     keys, steps = k.reshape(-1, chunk, dim), decays.steps.reshape(-1, chunk, dim)
-    attn = q.new_zeros(rows.shape[0], 2, chunk, chunk)  # [F, (qk | A), C(i), C(j)]
-    # Work items: (chunk ids [M] or None for all, block start, block size).
-    pending = [(None, 0, chunk)]
+    attn, safe = _grown_scores(rows, keys, decays.from_start.reshape(-1, chunk, dim))  # [F, (qk | A), C, C]
+    # Blocks still to halve: (chunk ids [M], start, size). Their entries in attn are overwritten below.
+    pending = [] if bool(safe.all()) else [((~safe).nonzero().squeeze(1), 0, chunk)]
     while pending:
         ids, start, size = pending.pop()
-        block_rows, block_keys, block_steps = (_block(t, ids, start, size) for t in (rows, keys, steps))
-        if size <= PAIRWISE_SIZE:  # small enough to form every pair's decay, exactly
-            _write(attn, ids, start, start, _masked(_pairwise_scores(block_rows, block_keys, block_steps)))
-            continue
-        # decay from the block start through i (for whole chunks, the one kda_chunked needs anyway)
-        whole = size == chunk and ids is None
-        within = decays.from_start.reshape(-1, chunk, dim) if whole else block_steps.cumprod(dim=-2)
-        safe = within[:, -1].amin(dim=-1) >= 1.0 / SAFE_GROWTH  # [M]
-        grown = block_keys / within.clamp_min(1.0 / SAFE_GROWTH)  # the clamp only touches unsafe blocks
-        scores = _masked((block_rows * within[:, None]) @ grown.transpose(-1, -2)[:, None])
-        chunk_ids = torch.arange(rows.shape[0], device=q.device) if ids is None else ids
-        if bool(safe.all()):
-            _write(attn, ids, start, start, scores)
-            continue
-        _write(attn, chunk_ids[safe], start, start, scores[safe])
-        unsafe, half = chunk_ids[~safe], size // 2
-        rows_after = block_rows[~safe][:, :, half:] * block_steps[~safe][:, None, half:].cumprod(dim=-2)
-        keys_before = block_keys[~safe][:, :half] * _exclusive_suffix_product(block_steps[~safe][:, :half])
-        _write(attn, unsafe, start + half, start, rows_after @ keys_before.transpose(-1, -2)[:, None])
-        pending += [(unsafe, start, half), (unsafe, start + half, size - half)]
+        half = size // 2
+        block_rows, block_keys, block_steps = (t[ids][..., start:start + size, :] for t in (rows, keys, steps))
+        rows_after = block_rows[:, :, half:] * block_steps[:, None, half:].cumprod(dim=-2)  # from m through i
+        keys_before = block_keys[:, :half] * _exclusive_suffix_product(block_steps[:, :half])  # from after j to m
+        cross = rows_after @ keys_before.transpose(-1, -2)[:, None]  # pairs j < m <= i
+        attn[ids, :, start + half:start + size, start:start + half] = cross
+        for first, stop in ((0, half), (half, size)):
+            part_rows, part_keys = block_rows[:, :, first:stop], block_keys[:, first:stop]
+            part_steps, where = block_steps[:, first:stop], slice(start + first, start + stop)
+            if stop - first <= PAIRWISE_SIZE:  # small enough to form every pair's decay, exactly
+                attn[ids, :, where, where] = _pairwise_scores(part_rows, part_keys, part_steps)
+                continue
+            scores, safe = _grown_scores(part_rows, part_keys, part_steps.cumprod(dim=-2))
+            attn[ids[safe], :, where, where] = scores[safe]
+            if not bool(safe.all()):
+                pending.append((ids[~safe], start + first, stop - first))
     attn = attn.reshape(*lead, 2, chunk, chunk)
     return attn[..., 0, :, :], attn[..., 1, :, :]
 
 
-def _block(t: torch.Tensor, ids: torch.Tensor | None, start: int, size: int) -> torch.Tensor:
-    """t [F, ..., C, K] -> positions start:start + size of chunks ids (all when None): [M, ..., size, K]."""
-    block = t[..., start:start + size, :]
-    return block if ids is None else block[ids]
+def _grown_scores(rows: torch.Tensor, keys: torch.Tensor, within: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block per chunk, factored through its start: rows [M, 2, s, K], keys [M, s, K], within [M, s, K]
+    (the decay from the block start through i) -> (masked scores [M, 2, s, s], safe [M] bool).
+
+    Scores of blocks that are not safe (some channel decays past 1 / SAFE_GROWTH) are meaningless.
+    """
+    size = keys.shape[1]
+    safe = within[:, -1].amin(dim=-1) >= 1.0 / SAFE_GROWTH
+    grown = keys / within.clamp_min(1.0 / SAFE_GROWTH)  # the clamp only touches blocks that are not safe
+    scores = torch.bmm((rows * within[:, None]).flatten(1, 2), grown.transpose(1, 2)).unflatten(1, (2, size))
+    return _masked(scores), safe
 
 
 def _pairwise_scores(rows: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -95,24 +98,15 @@ def _pairwise_scores(rows: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor
     index = torch.arange(size, device=steps.device)
     later = (index[:, None] > index[None, :])[..., None]  # [s(i), s(j), 1]
     decay = torch.where(later, steps[:, :, None, :], torch.ones_like(steps[:, :1, None, :])).cumprod(dim=1)
-    return einsum(rows, decay, keys, "m x i d, m i j d, m j d -> m x i j")
+    return _masked(einsum(rows, decay, keys, "m x i d, m i j d, m j d -> m x i j"))
 
 
 def _masked(scores: torch.Tensor) -> torch.Tensor:
-    """[M, 2, s, s] diagonal-block scores -> Aqk keeps j <= i, A keeps j < i."""
+    """[M, 2, s, s] diagonal-block scores, in place -> Aqk keeps j <= i, A keeps j < i."""
     size = scores.shape[-1]
     lower = torch.ones(size, size, dtype=torch.bool, device=scores.device).tril()
     keep = torch.stack([lower, lower.tril(-1)])  # [2, s, s]
-    return scores.masked_fill(~keep, 0.0)
-
-
-def _write(attn: torch.Tensor, ids: torch.Tensor | None, row: int, col: int, block: torch.Tensor) -> None:
-    """attn[ids, :, row:row + r, col:col + c] = block [M, 2, r, c] (all chunks when ids is None)."""
-    rows, cols = block.shape[-2:]
-    if ids is None:
-        attn[:, :, row:row + rows, col:col + cols] = block
-    else:
-        attn[ids, :, row:row + rows, col:col + cols] = block
+    return scores.masked_fill_(~keep, 0.0)
 
 
 def _exclusive_suffix_product(x: torch.Tensor) -> torch.Tensor:
