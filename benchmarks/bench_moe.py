@@ -6,8 +6,9 @@
 All variants run in this process on the same LatentMoE weights (no shared experts, so that only
 the routed path differs) and the same input x [1, T, 512]:
 
-    grouped       LatentMoE.forward: route_topk, stable sort by expert, one grouped matmul per
-                  projection (torch._grouped_mm without autograd), fp32 index_add combine
+    grouped       LatentMoE.forward: route_topk, stable sort by expert, permute, then per tile of
+                  4096 expert-major rows (ops.routing.CPU_TILE_ROWS) one grouped matmul per projection
+                  (torch._grouped_mm without autograd) and the fp32 index_add combine
     per-expert    route_topk once, then a Python loop over the 64 experts: torch.where,
                   index_select, the expert's SwiGLU, index_add of the weighted rows
     per-token     LatentMoE.reference_forward: for every token, for each of its 8 experts,
@@ -16,9 +17,8 @@ the routed path differs) and the same input x [1, T, 512]:
                   parameters per token (router, W_down, W_up, norm, 8 experts)
     matmul floor  the routed expert FLOPs as two plain matmuls of the same total shape
                   ([N*K, 256] @ [256, 512] and [N*K, 256] @ [256, 256]): the best any dispatch can do
-    row-blocked   an experiment, not in the library: the grouped path run over blocks of 4096
-                  expert-major rows (gather, grouped matmuls, SwiGLU, weighted index_add per block),
-                  so that the [rows, 512] intermediates stay in cache instead of streaming through DRAM
+    row-blocked   an experiment, not in the library: as grouped, but the permute (the gather of
+                  each row's latent token) also runs per block, so no [N*K, 256] tensor exists at all
 
 Each timing is the median of --repeats calls after a warm-up, with the variants interleaved call
 by call so a load spike on the shared machine hits all of them alike. The per-token loop is slow, so
