@@ -27,6 +27,14 @@ def layer_inputs(gate_form: str, seq_len: int, seed: int = 0):
     return q, k, v, g, beta, state
 
 
+def assert_matches_recurrence(q, k, v, g, beta, state=None, chunk_size=64):
+    """kda_chunked's output and final state equal kda_recurrent's to 1e-5."""
+    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    out, final = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=chunk_size)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("gate_form", ["lower_bound", "softplus"])
 @pytest.mark.parametrize("seq_len,chunk_size", [(45, 16), (100, 64), (33, 7), (50, 12)])
 def test_chunked_matches_recurrent_for_both_gate_forms(gate_form, seq_len, chunk_size):
@@ -36,10 +44,7 @@ def test_chunked_matches_recurrent_for_both_gate_forms(gate_form, seq_len, chunk
     else:
         assert g.min() >= -5.0
     g[:, seq_len // 2, 1] = -1000.0  # and one hard reset of head 1
-    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)
-    out, final = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=chunk_size)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+    assert_matches_recurrence(q, k, v, g, beta, state, chunk_size=chunk_size)
 
 
 def test_many_resets_close_together_stay_exact():
@@ -49,10 +54,7 @@ def test_many_resets_close_together_stay_exact():
     v, beta = torch.randn(1, 70, 1, 8, generator=gen), torch.rand(1, 70, 1, generator=gen)
     g = -1e-3 * torch.rand(1, 70, 1, 8, generator=gen)
     g[:, [1, 2, 9, 10, 40, 64]] = -1000.0
-    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, output_final_state=True)
-    out, final = kda_chunked(q, k, v, g, beta, output_final_state=True, chunk_size=64)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+    assert_matches_recurrence(q, k, v, g, beta, chunk_size=64)
 
 
 def test_gradients_match_the_recurrence():
@@ -72,10 +74,7 @@ def test_blocks_halved_down_to_pairwise_blocks(monkeypatch, chunk_size):
     """SAFE_GROWTH = 1 lets no decaying block grow its keys: every chunk is halved down to the pairwise form."""
     monkeypatch.setattr("latentmoe_lab.ops.kda_intra.SAFE_GROWTH", 1.0)
     q, k, v, g, beta, state = layer_inputs("lower_bound", 130, seed=6)
-    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)
-    out, final = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=chunk_size)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+    assert_matches_recurrence(q, k, v, g, beta, state, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("group_rows", [1, 100, 10_000])
@@ -84,10 +83,7 @@ def test_chunk_groups_carry_the_state(monkeypatch, group_rows):
     q, k, v, g, beta, state = layer_inputs("softplus", 150, seed=4)
     g[:, 70, 0] = -1000.0
     monkeypatch.setattr("latentmoe_lab.ops.kda.GROUP_ROWS", group_rows)
-    out, final = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=16)
-    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+    assert_matches_recurrence(q, k, v, g, beta, state, chunk_size=16)
 
 
 def test_one_deep_channel_halves_only_its_chunk():
@@ -97,7 +93,4 @@ def test_one_deep_channel_halves_only_its_chunk():
     v, beta = torch.randn(1, 64, 2, 8, generator=gen), torch.rand(1, 64, 2, generator=gen)
     g = -0.05 * torch.rand(1, 64, 2, 8, generator=gen)
     g[:, 16:32, 0, 3] = -3.5  # 16 x 3.5 = 56 nats > log(SAFE_GROWTH) = 46 in one channel
-    ref_out, ref_state = kda_recurrent(q, k, v, g, beta, output_final_state=True)
-    out, final = kda_chunked(q, k, v, g, beta, output_final_state=True, chunk_size=64)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
+    assert_matches_recurrence(q, k, v, g, beta, chunk_size=64)
