@@ -57,7 +57,9 @@ def test_many_resets_close_together_stay_exact():
     assert_matches_recurrence(q, k, v, g, beta, chunk_size=64)
 
 
-def test_gradients_match_the_recurrence():
+@pytest.mark.parametrize("safe_growth", [1e20, 1.0], ids=["default", "every-block-halved"])
+def test_gradients_match_the_recurrence(monkeypatch, safe_growth):
+    monkeypatch.setattr("latentmoe_lab.ops.kda_intra.SAFE_GROWTH", safe_growth)
     q, k, v, g, beta, state = layer_inputs("softplus", 40, seed=1)
     inputs = [t.clone().requires_grad_() for t in (q, k, v, g, beta, state)]
     twins = [t.clone().requires_grad_() for t in (q, k, v, g, beta, state)]
