@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from latentmoe_lab.ops.sparse_attention import dense_causal_attention, index_scores, select_topk, sparse_attention
+from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, index_topk, select_topk,
+                                                sparse_attention)
 
 
 def test_index_scores_matches_explicit_loop():
@@ -146,3 +147,18 @@ def test_validation_errors_name_the_argument():
         index_scores(torch.randn(1, 2, 2, 4), torch.randn(2, 3, 4), torch.randn(1, 2, 2))
     with pytest.raises(TypeError, match=r"q_idx: expected a floating-point dtype"):
         index_scores(torch.ones(1, 2, 2, 4, dtype=torch.long), torch.randn(1, 3, 4), torch.randn(1, 2, 2))
+
+
+def test_index_topk_first_key_keeps_only_the_query_sequence():
+    """Two packed sequences [0, 4) and [4, 9): each query's picks are what its sequence alone would pick."""
+    torch.manual_seed(0)
+    q_idx, k_idx, w = torch.randn(1, 9, 2, 8), torch.randn(1, 9, 8), torch.rand(1, 9, 2)
+    first_key = torch.tensor([[0, 0, 0, 0, 4, 4, 4, 4, 4]])
+    packed = index_topk(q_idx, k_idx, w, 3, first_key=first_key)
+    assert torch.equal(index_topk(q_idx, k_idx, w, 3, first_key=torch.zeros_like(first_key)),
+                       index_topk(q_idx, k_idx, w, 3))
+    alone = index_topk(q_idx[:, 4:], k_idx[:, 4:], w[:, 4:], 3)  # the second sequence on its own
+    assert torch.equal(packed[:, 4:], torch.where(alone >= 0, alone + 4, -1))
+    assert torch.equal(packed[:, :4], index_topk(q_idx[:, :4], k_idx[:, :4], w[:, :4], 3))
+    with pytest.raises(ValueError, match=r"first_key: expected an int64 tensor of shape \[B, T\]"):
+        index_topk(q_idx, k_idx, w, 3, first_key=first_key[:, :5])

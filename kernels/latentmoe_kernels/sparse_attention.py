@@ -55,9 +55,9 @@ def _pack(score, position, visible):
 
 
 @triton.jit
-def _index_topk_kernel(q_idx_ptr, k_idx_ptr, w_ptr, out_ptr, num_queries, num_keys, heads_idx, dim_idx, topk, offset,
-                       KP: tl.constexpr, SUB: tl.constexpr, HI_PAD: tl.constexpr, DI_PAD: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+def _index_topk_kernel(q_idx_ptr, k_idx_ptr, w_ptr, first_key_ptr, out_ptr, num_queries, num_keys, heads_idx, dim_idx,
+                       topk, offset, KP: tl.constexpr, SUB: tl.constexpr, HI_PAD: tl.constexpr, DI_PAD: tl.constexpr,
+                       HAS_FIRST_KEY: tl.constexpr, DOT_PRECISION: tl.constexpr):
     query, batch = tl.program_id(0), tl.program_id(1).to(tl.int64)
     heads = tl.arange(0, HI_PAD)
     cols = tl.arange(0, DI_PAD)
@@ -68,10 +68,13 @@ def _index_topk_kernel(q_idx_ptr, k_idx_ptr, w_ptr, out_ptr, num_queries, num_ke
     w = tl.load(w_ptr + row * heads_idx + heads, mask=head_ok, other=0.0).to(tl.float32)
     k_idx_batch = k_idx_ptr + batch * num_keys * dim_idx
     num_visible = tl.minimum(query + offset + 1, num_keys)
+    first = 0
+    if HAS_FIRST_KEY:  # packed sequences: keys before the query's own sequence are never candidates
+        first = tl.load(first_key_ptr + row).to(tl.int32)
 
     best = tl.full([KP], _EMPTY_KEY, tl.int64)
     pieces = tl.arange(0, KP // SUB)
-    for block_start in range(0, num_visible, KP):
+    for block_start in range(first, num_visible, KP):
         block = tl.full([KP // SUB, SUB], _EMPTY_KEY, tl.int64)
         for piece in range(KP // SUB):
             positions = block_start + piece * SUB + tl.arange(0, SUB)
@@ -133,10 +136,12 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def index_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+def index_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, k: int, offset: int = 0,
+               first_key: torch.Tensor | None = None) -> torch.Tensor:
     """select_topk(index_scores(q_idx, k_idx, w), k, offset) without the [B, T, S] scores.
 
-    q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI] -> [B, T, k] int64, -1 pads.
+    q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI]; first_key: [B, T] int64 or None (the earliest
+    key each query may see) -> [B, T, k] int64, -1 pads.
     """
     reject_interpreted_bf16(q_idx=q_idx)
     batch, num_queries, heads_idx, dim_idx = q_idx.shape
@@ -147,9 +152,10 @@ def index_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, k: int
     kp = max(16, triton.next_power_of_2(k))  # at least 16: SUB <= KP is a tl.dot dimension
     k_idx = k_idx.to(q_idx.dtype)
     _index_topk_kernel[(num_queries, batch)](
-        q_idx.contiguous(), k_idx.contiguous(), w.contiguous(), out, num_queries, num_keys, heads_idx, dim_idx, k,
-        offset, KP=kp, SUB=min(kp, 128), HI_PAD=max(16, triton.next_power_of_2(heads_idx)),
-        DI_PAD=max(16, triton.next_power_of_2(dim_idx)), DOT_PRECISION=_precision(q_idx.dtype), num_warps=8)
+        q_idx.contiguous(), k_idx.contiguous(), w.contiguous(), out if first_key is None else first_key.contiguous(),
+        out, num_queries, num_keys, heads_idx, dim_idx, k, offset, KP=kp, SUB=min(kp, 128),
+        HI_PAD=max(16, triton.next_power_of_2(heads_idx)), DI_PAD=max(16, triton.next_power_of_2(dim_idx)),
+        HAS_FIRST_KEY=first_key is not None, DOT_PRECISION=_precision(q_idx.dtype), num_warps=8)
     return out
 
 

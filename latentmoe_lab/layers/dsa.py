@@ -26,7 +26,7 @@ from latentmoe_lab.cache import DSALayerCache
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
-from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, select_topk,
+from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, index_topk,
                                                 sparse_attention)
 
 
@@ -48,10 +48,14 @@ class LightningIndexer(nn.Module):
         """x: [B, T, hidden] -> index keys [B, T, DI] (what the cache stores)."""
         return self.k_norm(self.wk(x))
 
+    def queries(self, x: torch.Tensor, c_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden], c_q: [B, T, q_lora] -> index queries [B, T, HI, DI] and head weights [B, T, HI]."""
+        q_idx = rearrange(self.wq(c_q), "b t (j d) -> b t j d", j=self.num_heads)
+        return q_idx, self.w_heads(x) * self.head_scale
+
     def scores(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden], c_q: [B, T, q_lora], index_keys: [B, S, DI] -> I [B, T, S] fp32 (not masked)."""
-        q_idx = rearrange(self.wq(c_q), "b t (j d) -> b t j d", j=self.num_heads)
-        head_weights = self.w_heads(x) * self.head_scale
+        q_idx, head_weights = self.queries(x, c_q)
         return index_scores(q_idx, index_keys, head_weights)
 
     def select(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor, offset: int,
@@ -60,14 +64,8 @@ class LightningIndexer(nn.Module):
 
         first_key [B, T]: the earliest key each query may see (packed sequences: its own sequence's start).
         """
-        scores = self.scores(x, c_q, index_keys)
-        if first_key is None:
-            return select_topk(scores, self.topk, offset)
-        # Keys of earlier packed sequences rank below every real score, so the top-k takes the query's own
-        # sequence first, exactly as when that sequence runs alone; then they become padding.
-        earlier = torch.arange(scores.shape[-1], device=scores.device) < first_key[..., None]
-        positions = select_topk(scores.masked_fill(earlier, float("-inf")), self.topk, offset)
-        return positions.masked_fill(positions < first_key[..., None], -1)
+        q_idx, head_weights = self.queries(x, c_q)
+        return index_topk(q_idx, index_keys, head_weights, self.topk, offset, first_key)
 
     def select_blocks(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor, offset: int,
                       block: int, first_key: torch.Tensor | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:

@@ -89,18 +89,32 @@ def _pad_selection(top: torch.Tensor, num_visible: torch.Tensor, k: int) -> torc
 
 
 def index_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, k: int, offset: int = 0,
-               backend: str = "auto") -> torch.Tensor:
+               first_key: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """select_topk(index_scores(q_idx, k_idx, w), k, offset): the indexer's causal top-k in one step.
 
     q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI]  ->  [B, T, k] int64, -1 pads.
+    first_key [B, T] int64 (packed sequences): the earliest key each query may see; keys before it are
+    never selected, exactly as if the query's own sequence ran alone (its positions unchanged).
     """
     _check_index_inputs(q_idx, k_idx, w)
     _check_int("k", k, minimum=1)
     _check_int("offset", offset, minimum=0)
+    if first_key is not None and (not isinstance(first_key, torch.Tensor) or first_key.dtype != torch.int64
+                                  or first_key.shape != q_idx.shape[:2]):
+        got = f"{first_key.dtype} {tuple(first_key.shape)}" if isinstance(first_key, torch.Tensor) else \
+            type(first_key).__name__
+        raise ValueError(f"first_key: expected an int64 tensor of shape [B, T] = {tuple(q_idx.shape[:2])}, got {got}")
     if resolve_backend(backend, q_idx, k_idx, w) == "triton":
         from latentmoe_kernels.sparse_attention import index_topk as index_topk_triton
-        return index_topk_triton(q_idx, k_idx, w, k, offset)
-    return select_topk(index_scores(q_idx, k_idx, w), k, offset)
+        return index_topk_triton(q_idx, k_idx, w, k, offset, first_key)
+    scores = index_scores(q_idx, k_idx, w)
+    if first_key is None:
+        return select_topk(scores, k, offset)
+    # Earlier sequences' keys rank below every real score, so the top-k takes the query's own sequence
+    # first, in the order it would alone; then they become padding.
+    earlier = torch.arange(scores.shape[-1], device=scores.device) < first_key[..., None]
+    positions = select_topk(scores.masked_fill(earlier, float("-inf")), k, offset)
+    return positions.masked_fill(positions < first_key[..., None], -1)
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,

@@ -26,6 +26,18 @@ def test_index_topk_matches_select_topk_of_index_scores(batch, queries, keys, he
     assert torch.equal(index_topk(q_idx, k_idx, w, k, offset, backend="triton"), expected)
 
 
+@pytest.mark.parametrize("queries, keys, k, offset", [(5, 12, 4, 7), (1, 150, 129, 149), (4, 6, 8, 0)])
+def test_index_topk_with_first_key_matches_the_torch_path(queries, keys, k, offset):
+    """Packed sequences: each query's earliest visible key, some past every visible key (all -1)."""
+    q_idx, k_idx, w = _dyadic(2, queries, 3, 16), _dyadic(2, keys, 16), _dyadic(2, queries, 3)
+    first_key = torch.randint(0, offset + queries + 1, (2, queries))
+    first_key[0, 0] = 0
+    first_key[1, -1] = offset + queries  # beyond the last visible key of that query
+    expected = index_topk(q_idx, k_idx, w, k, offset, first_key, backend="torch")
+    assert torch.equal(index_topk(q_idx, k_idx, w, k, offset, first_key, backend="triton"), expected)
+    assert torch.all(expected[1, -1] == -1)
+
+
 @pytest.mark.parametrize("heads, heads_kv, dim, dim_v", [
     (4, 2, 60, 64),
     (3, 1, 64, 60),
