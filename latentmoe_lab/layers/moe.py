@@ -89,7 +89,7 @@ class LatentExperts(nn.Module):
             raise ValueError(f"counts: expected shape ({self.w13.shape[0]},) [E], got {tuple(counts.shape)}")
         offsets = counts.cumsum(0)
         tiles = []
-        for start, stop in row_tiles(z_perm.shape[0], z_perm.device) or [(0, 0)]:
+        for start, stop in row_tiles(z_perm.shape[0], z_perm.device):
             tile_offsets = (offsets - start).clamp(0, stop - start)  # each expert's rows inside the tile
             hidden = _glu(grouped_matmul(z_perm[start:stop], self.w13, tile_offsets), self.activation_clamp)
             tiles.append(grouped_matmul(hidden, self.w2, tile_offsets))

@@ -209,9 +209,12 @@ def combine(y: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, num_toke
 
 
 def row_tiles(rows: int, device: torch.device) -> list[tuple[int, int]]:
-    """(start, stop) ranges covering `rows`: CPU_TILE_ROWS at a time on CPU, all at once elsewhere."""
+    """(start, stop) ranges covering `rows`: CPU_TILE_ROWS at a time on CPU, all at once elsewhere.
+
+    Always at least one range ((0, 0) for no rows), so a caller's per-tile work runs once.
+    """
     step = CPU_TILE_ROWS if device.type == "cpu" else max(rows, 1)
-    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+    return [(start, min(start + step, rows)) for start in range(0, max(rows, 1), step)]
 
 
 def _check_grouped_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
