@@ -8,14 +8,15 @@ call by call so that a load spike on the shared machine hits both alike; each ti
 --repeats calls after a warm-up. The recurrence is run only --recurrent-repeats times (default 1) at
 T >= 8192, since it costs seconds there.
 
-FLOP lower bound per head (DESIGN 1.3): 6 T d^2 + 3 T C d + T C^2 FLOPs. The bound's time is those
+FLOP lower bound per head (docs/design.md §1.3): 6 T d^2 + 3 T C d + T C^2 FLOPs. The bound's time is those
 FLOPs at the best fp32 matmul rate measured in this process (a 1024^3 matmul), so the ratio
 chunked / bound says how far the eager PyTorch op is from a kernel that only ran matmuls at peak.
 A second rate, that of a batch of d x d products (the shapes a chunk is made of), shows how much of
 the gap is the small matrices themselves. Peak memory is the chunked op's own tensor storage
 (latentmoe_lab.analysis.memory.PeakMemory): it stops growing with T once chunks run in groups.
 A last table times the op at T = 4096 under mild gates, g = -5 everywhere and periodic g = -1000 resets
-(hard decays make it halve blocks, see ops/kda_intra.py). Writes benchmarks/bench_kda.json.
+(hard decays make it halve blocks, see ops/kda_intra.py), and a last line forward + backward of both ops
+under lower-bound gates g = -5 sigmoid(x), with the gradients' agreement. Writes benchmarks/bench_kda.json.
 """
 from __future__ import annotations
 
@@ -85,6 +86,38 @@ def gate_table(seq_len: int, args, repeats: int) -> list[dict]:
     return rows
 
 
+def gradient_table(seq_len: int, args, repeats: int) -> dict:
+    """Forward + backward of both ops under K3's lower-bound gates g = -5 sigmoid(x), x ~ N(0, 1), whose
+    chunks decay far past the key-growth limit (ops/kda_intra.py): times, and the worst input's gradient
+    error relative to the recurrence's, ||grad - reference|| / ||reference||."""
+    q, k, v, _, beta = make_inputs(seq_len, args.heads, args.dim)
+    gen = torch.Generator().manual_seed(1)
+    g = -5.0 * torch.sigmoid(torch.randn(q.shape, generator=gen))
+    weight = torch.randn(v.shape, generator=gen)
+
+    def gradients(op, **kwargs):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        (op(*leaves, **kwargs)[0] * weight).sum().backward()
+        return [t.grad for t in leaves]
+
+    chunked_s, recurrent_s = [], []
+    gradients(kda_chunked, chunk_size=args.chunk)  # warm-up
+    for i in range(repeats):
+        seconds, fast = timed(lambda: gradients(kda_chunked, chunk_size=args.chunk))
+        chunked_s.append(seconds)
+        if i < args.recurrent_repeats:
+            seconds, slow = timed(lambda: gradients(kda_recurrent))
+            recurrent_s.append(seconds)
+    error = max(((a - b).norm() / b.norm()).item() for a, b in zip(fast, slow))
+    row = dict(T=seq_len, gates="-5 sigmoid(N(0, 1))", chunked_fwd_bwd_ms=1e3 * statistics.median(chunked_s),
+               recurrent_fwd_bwd_ms=1e3 * statistics.median(recurrent_s), max_rel_grad_error=error)
+    row["speedup"] = row["recurrent_fwd_bwd_ms"] / row["chunked_fwd_bwd_ms"]
+    print(f"\nT={seq_len}, forward + backward, g = -5 sigmoid(N(0, 1)): chunked {row['chunked_fwd_bwd_ms']:.1f} ms, "
+          f"recurrent {row['recurrent_fwd_bwd_ms']:.1f} ms ({row['speedup']:.1f}x), "
+          f"worst gradient error {error:.1e} (norm-relative)")
+    return row
+
+
 def flop_lower_bound(seq_len: int, heads: int, dim: int, chunk: int) -> float:
     return heads * (6 * seq_len * dim ** 2 + 3 * seq_len * chunk * dim + seq_len * chunk ** 2)
 
@@ -141,9 +174,10 @@ def main() -> None:
               f"{row['chunked_over_small_matmul_bound']:>11.1f}x {row['peak_mib']:>9.1f} {row['max_abs_diff']:>11.1e}")
 
     gates = gate_table(1024 if args.quick else 4096, args, repeats)
+    gradient = gradient_table(1024 if args.quick else 4096, args, repeats)
     result = dict(config=dict(B=1, H=args.heads, d_k=args.dim, d_v=args.dim, chunk=args.chunk, dtype="fp32"),
                   machine=machine_info(matmul_peak_gflops=peak, small_matmul_gflops=small, matmul_rates_taken=peaks),
-                  rows=rows, gates=gates)
+                  rows=rows, gates=gates, gradient=gradient)
     out = write_json(__file__, result)
     print(f"wrote {out}")
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (DESIGN 1.3): the per-token recurrence and its chunked WY / UT form.
+"""Kimi Delta Attention (docs/design.md §1.3): the per-token recurrence and its chunked WY / UT form.
 
 Per head the state S is [K, V] fp32 and every token t does
 
@@ -25,7 +25,8 @@ unit-lower-triangular system (I + A) U_true = diag(beta) (V - (exp(Gamma) * K) S
 
 g is a log-space decay (g <= 0). The chunked form never takes exp() of a positive number:
 each decay is a product of exp(g_t) factors (ops/kda_intra.py), which keeps fp32's relative
-precision however deep the decay, and g = -1000 gives exact zeros, never inf or NaN.
+precision however deep the decay, and g = -1000 gives exact zeros, never inf or NaN, in the
+outputs and in the gradients (those of the products are taken in log space, ops/kda_intra.py).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def kda_recurrent(
         return kda_recurrent_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
     batch, seq_len, heads, dim_k = q.shape
     dim_v, out_dtype = v.shape[-1], v.dtype
-    state = _start_state(initial_state, batch, heads, dim_k, dim_v, q.device)
+    state = _start_state(initial_state, batch, heads, dim_k, dim_v, q.device, torch.float32)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     q = q * scale
 
@@ -103,6 +104,8 @@ def kda_chunked(
     which leaves the state untouched. Chunks run in groups of about GROUP_ROWS token-heads, so memory
     is O(GROUP_ROWS K) beyond the inputs and output, at any T (intra-chunk math: ops/kda_intra.py).
     backend (see ops.backend): the "triton" kernel rounds chunk_size to a power of two in [16, 128].
+    Math is fp32, or fp64 when any input is fp64 (so torch.autograd.gradcheck can check the backward);
+    the final state comes back in that dtype.
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
@@ -112,7 +115,9 @@ def kda_chunked(
         return kda_chunked_triton(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
     batch, seq_len, heads, dim_k = q.shape
     dim_v, out_dtype = v.shape[-1], v.dtype
-    state = _start_state(initial_state, batch, heads, dim_k, dim_v, q.device)
+    named = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in named) else torch.float32
+    state = _start_state(initial_state, batch, heads, dim_k, dim_v, q.device, dtype)
     if seq_len == 0:
         return v.new_zeros(batch, 0, heads, dim_v), state if output_final_state else None
 
@@ -134,12 +139,13 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     """KDA over one group of whole chunks: [B, T_g, H, d] inputs, state [B*H, K, V] -> ([B, T_g, H, V] fp32, state).
 
     Inside the group the layout is chunk-major, [N, B*H, C, d], so each slice the state loop takes is contiguous.
+    The math runs in the state's dtype (fp32, or fp64).
     """
     batch, seq_len = q.shape[:2]
     num_chunks = math.ceil(seq_len / chunk_size)
     pad = num_chunks * chunk_size - seq_len
     q, k, v, g, beta = (
-        rearrange(F.pad(t.float(), (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t.float(),
+        rearrange(F.pad(t.to(state.dtype), (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t.to(state.dtype),
                   "b (n c) h ... -> n (b h) c ...", c=chunk_size).contiguous()
         for t in (q, k, v, g, beta)
     )
@@ -147,7 +153,7 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     attn_qk, attn_kk = intra_chunk_scores(q * scale, k, beta, decays)  # [N, BH, C, C]
 
     # (I + diag(beta) A)^-1 diag(beta) once per chunk (A's unit diagonal is implied), then W and U.
-    eye = torch.eye(chunk_size, device=q.device)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
     # (contiguous: LAPACK's batched solve takes twice as long on the strided view)
     solve = torch.linalg.solve_triangular(attn_kk.contiguous(), eye.expand_as(attn_kk), upper=False,
                                           unitriangular=True)
@@ -168,12 +174,13 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 def _start_state(
-    initial_state: torch.Tensor | None, batch: int, heads: int, dim_k: int, dim_v: int, device: torch.device
+    initial_state: torch.Tensor | None, batch: int, heads: int, dim_k: int, dim_v: int, device: torch.device,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The fp32 state [B, H, K, V] the recurrence starts from (zeros when none is given)."""
+    """The state [B, H, K, V] in dtype (fp32 or fp64) the recurrence starts from (zeros when none is given)."""
     if initial_state is None:
-        return torch.zeros(batch, heads, dim_k, dim_v, dtype=torch.float32, device=device)
-    return initial_state.float()
+        return torch.zeros(batch, heads, dim_k, dim_v, dtype=dtype, device=device)
+    return initial_state.to(dtype)
 
 
 def _validate(

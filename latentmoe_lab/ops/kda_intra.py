@@ -6,6 +6,11 @@ per-token recurrence `kda_recurrent`, which tests compare it with.
 Decays are products of exp(g_t), never exp() of a positive number: products keep fp32's relative
 precision however deep the decay (a difference of two long cumsums would not), and a decay that
 underflows to 0 is exact to 1e-38 (g = -1000 resets give exact zeros, never inf or NaN).
+
+Their gradients are taken in log space (`DecayProduct`, `GrownKeys`: d decay / d g_t = +-decay), not by
+autograd through exp().cumprod() and a division: d(keys / decay)/d decay = -(keys / decay) / decay reaches
+1e40 for a decay of 1e-20, inf in fp32, and inf * 0 is NaN wherever a score is discarded or masked (that
+was kda_chunked's NaN gradient of g once a chunk decayed past ~e^-44; docs/design.md §1.3).
 """
 from __future__ import annotations
 
@@ -19,19 +24,79 @@ SAFE_GROWTH = 1e20
 PAIRWISE_SIZE = 8
 
 
+class DecayProduct(torch.autograd.Function):
+    """Products of steps = exp(g) ([..., n, K], along n), differentiated in log space with respect to g:
+
+      "prefix"    P_i = prod_{t <= i} steps_t              dL/dg_t = sum_{i >= t} grad_i P_i
+      "suffix"    P_i = prod_{t > i} steps_t (1 at n - 1)   dL/dg_t = sum_{i < t} grad_i P_i
+      "pairwise"  P_ij = prod_{j < t <= i} steps_t, [..., n, n, K] (1 where i <= j)
+                                                           dL/dg_t = sum_{j < t <= i} grad_ij P_ij
+
+    Each grad * P is one bounded score term, so nothing divides by a decay (exp().cumprod()'s own backward
+    divides by steps: denormal below g = -87, 0 at resets). steps is g.exp() computed once by the caller;
+    no gradient flows through it.
+    """
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, steps: torch.Tensor, kind: str) -> torch.Tensor:
+        if kind == "prefix":
+            product = steps.cumprod(dim=-2)
+        elif kind == "suffix":
+            product = _exclusive_suffix_product(steps)
+        else:  # a cumprod down i of steps_i placed where i > j
+            later = _later(steps.shape[-2], steps.device)
+            product = torch.where(later, steps[..., :, None, :], 1.0).cumprod(dim=-3)
+        ctx.kind = kind
+        ctx.save_for_backward(product)
+        return product
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (product,) = ctx.saved_tensors
+        terms = grad * product
+        if ctx.kind == "prefix":
+            return _suffix_sum(terms, dim=-2), None, None
+        if ctx.kind == "suffix":
+            return F.pad(terms.cumsum(dim=-2)[..., :-1, :], (0, 0, 1, 0)), None, None
+        later = _later(product.shape[-2], product.device)  # [s(t), s(j), 1]: pairs (i >= t, j < t)
+        return (_suffix_sum(terms, dim=-3) * later).sum(dim=-2), None, None
+
+
+class GrownKeys(torch.autograd.Function):
+    """keys / within.clamp_min(floor), [..., s, K], within the prefix product of the block's steps (not
+    differentiated: the gradient goes to the block's log decays g in log space, dL/dg_t = -sum_{j >= t} grad_j
+    grown_j). Autograd through the division would form (keys / within) / within, up to 1e40 = inf in fp32 for
+    within = 1e-20, and inf * 0 = NaN where a score is discarded. Clamped entries occur only in blocks that are
+    not safe, whose scores (and so gradients) are discarded.
+    """
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, keys: torch.Tensor, within: torch.Tensor, floor: float) -> torch.Tensor:
+        divisor = within.clamp_min(floor)
+        grown = keys / divisor
+        ctx.save_for_backward(divisor, grown)
+        return grown
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        divisor, grown = ctx.saved_tensors
+        return -_suffix_sum(grad * grown, dim=-2), grad / divisor, None, None
+
+
 class ChunkDecays:
     """g: [..., C, K] log decays of each chunk (Gamma = their cumsum inside the chunk) ->
 
-      steps        [..., C, K]  exp(g_i)
+      g            [..., C, K]  the log decays (what gradients flow to)
+      steps        [..., C, K]  exp(g_i), the factors of every product (no gradient of its own)
       from_start   [..., C, K]  exp(Gamma_i), from the chunk start through i
       to_end       [..., C, K]  exp(Gamma_C - Gamma_i), from after i to the chunk end
       whole_chunk  [..., K]     exp(Gamma_C)
     """
 
     def __init__(self, g: torch.Tensor):
-        self.steps = g.exp()
-        self.from_start = self.steps.cumprod(dim=-2)
-        self.to_end = _exclusive_suffix_product(self.steps)
+        self.g, self.steps = g, g.detach().exp()
+        self.from_start = DecayProduct.apply(g, self.steps, "prefix")
+        self.to_end = DecayProduct.apply(g, self.steps, "suffix")
         self.whole_chunk = self.from_start[..., -1, :]
 
 
@@ -50,25 +115,33 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     """
     *lead, chunk, dim = q.shape
     rows = torch.stack([q, k * beta[..., None]], dim=-3).reshape(-1, 2, chunk, dim)  # [F, 2, C, K]
-    keys, steps = k.reshape(-1, chunk, dim), decays.steps.reshape(-1, chunk, dim)
-    attn, safe = _grown_scores(rows, keys, decays.from_start.reshape(-1, chunk, dim))  # [F, (qk | A), C, C]
+    keys, g, steps = (t.reshape(-1, chunk, dim) for t in (k, decays.g, decays.steps))
+    attn, safe = _grown_scores(rows, keys, g, decays.from_start.reshape(-1, chunk, dim))  # [F, (qk | A), C, C]
     # Blocks still to halve: (chunk ids [M], start, size). Their entries in attn are overwritten below.
     pending = [] if bool(safe.all()) else [((~safe).nonzero().squeeze(1), 0, chunk)]
     while pending:
         ids, start, size = pending.pop()
         half = size // 2
-        block_rows, block_keys, block_steps = (t[ids][..., start:start + size, :] for t in (rows, keys, steps))
-        rows_after = block_rows[:, :, half:] * block_steps[:, None, half:].cumprod(dim=-2)  # from m through i
-        keys_before = block_keys[:, :half] * _exclusive_suffix_product(block_steps[:, :half])  # from after j to m
-        cross = rows_after @ keys_before.transpose(-1, -2)[:, None]  # pairs j < m <= i
+        # (indexing the slice gathers only the block's own rows, not its whole chunk)
+        block_rows, block_keys, block_steps = (t[ids, ..., start:start + size, :] for t in (rows, keys, steps))
+        # The products never read g in the forward: gather it only where a gradient will flow back to it.
+        block_g = g[ids, start:start + size] if g.requires_grad else block_steps
+        after_m = DecayProduct.apply(block_g[:, half:], block_steps[:, half:], "prefix")  # from m through i
+        before_m = DecayProduct.apply(block_g[:, :half], block_steps[:, :half], "suffix")  # from after j to m
+        keys_before = (block_keys[:, :half] * before_m).transpose(-1, -2)[:, None]
+        cross = (block_rows[:, :, half:] * after_m[:, None]) @ keys_before  # pairs j < m <= i
         attn[ids, :, start + half:start + size, start:start + half] = cross
         for first, stop in ((0, half), (half, size)):
             part_rows, part_keys = block_rows[:, :, first:stop], block_keys[:, first:stop]
-            part_steps, where = block_steps[:, first:stop], slice(start + first, start + stop)
+            part_g, part_steps = block_g[:, first:stop], block_steps[:, first:stop]
+            where = slice(start + first, start + stop)
             if stop - first <= PAIRWISE_SIZE:  # small enough to form every pair's decay, exactly
-                attn[ids, :, where, where] = _pairwise_scores(part_rows, part_keys, part_steps)
+                decay = DecayProduct.apply(part_g, part_steps, "pairwise")  # [M, s(i), s(j), K]
+                attn[ids, :, where, where] = _masked(einsum(part_rows, decay, part_keys,
+                                                            "m x i d, m i j d, m j d -> m x i j"))
                 continue
-            scores, safe = _grown_scores(part_rows, part_keys, part_steps.cumprod(dim=-2))
+            within = DecayProduct.apply(part_g, part_steps, "prefix")
+            scores, safe = _grown_scores(part_rows, part_keys, part_g, within)
             attn[ids[safe], :, where, where] = scores[safe]
             if not bool(safe.all()):
                 pending.append((ids[~safe], start + first, stop - first))
@@ -76,29 +149,18 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     return attn[..., 0, :, :], attn[..., 1, :, :]
 
 
-def _grown_scores(rows: torch.Tensor, keys: torch.Tensor, within: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block per chunk, factored through its start: rows [M, 2, s, K], keys [M, s, K], within [M, s, K]
+def _grown_scores(rows: torch.Tensor, keys: torch.Tensor, g: torch.Tensor,
+                  within: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block per chunk, factored through its start: rows [M, 2, s, K], keys and g [M, s, K], within [M, s, K]
     (the decay from the block start through i) -> (masked scores [M, 2, s, s], safe [M] bool).
 
     Scores of blocks that are not safe (some channel decays past 1 / SAFE_GROWTH) are meaningless.
     """
     size = keys.shape[1]
     safe = within[:, -1].amin(dim=-1) >= 1.0 / SAFE_GROWTH
-    grown = keys / within.clamp_min(1.0 / SAFE_GROWTH)  # the clamp only touches blocks that are not safe
+    grown = GrownKeys.apply(g, keys, within.detach(), 1.0 / SAFE_GROWTH)  # the clamp only touches unsafe blocks
     scores = torch.bmm((rows * within[:, None]).flatten(1, 2), grown.transpose(1, 2)).unflatten(1, (2, size))
     return _masked(scores), safe
-
-
-def _pairwise_scores(rows: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """rows [M, 2, s, K], keys and steps [M, s, K] -> [M, 2, s, s] with the decay of every pair j <= i.
-
-    decay[i, j] = prod_{j < t <= i} steps_t: a cumprod down i of steps_i placed where i > j (1 elsewhere).
-    """
-    size = steps.shape[1]
-    index = torch.arange(size, device=steps.device)
-    later = (index[:, None] > index[None, :])[..., None]  # [s(i), s(j), 1]
-    decay = torch.where(later, steps[:, :, None, :], torch.ones_like(steps[:, :1, None, :])).cumprod(dim=1)
-    return _masked(einsum(rows, decay, keys, "m x i d, m i j d, m j d -> m x i j"))
 
 
 def _masked(scores: torch.Tensor) -> torch.Tensor:
@@ -107,6 +169,17 @@ def _masked(scores: torch.Tensor) -> torch.Tensor:
     lower = torch.ones(size, size, dtype=torch.bool, device=scores.device).tril()
     keep = torch.stack([lower, lower.tril(-1)])  # [2, s, s]
     return scores.masked_fill_(~keep, 0.0)
+
+
+def _later(size: int, device: torch.device) -> torch.Tensor:
+    """[size(i), size(j), 1] bool, i > j."""
+    index = torch.arange(size, device=device)
+    return (index[:, None] > index[None, :])[..., None]
+
+
+def _suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum of the entries from each one to the end along dim (inclusive)."""
+    return x.flip(dim).cumsum(dim).flip(dim)
 
 
 def _exclusive_suffix_product(x: torch.Tensor) -> torch.Tensor:
