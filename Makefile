@@ -5,6 +5,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
+# Extra arguments for `make lab`, e.g. LAB_ARGS="--no-browser --port 8899"; as root it defaults to --allow-root.
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -25,11 +27,15 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache
 
-# Re-create every notebooks/NN_*.ipynb from its jupytext .py source and execute it at full size.
+# Re-create every notebooks/NN_*.ipynb from its jupytext .py source and execute it at full size: one fresh
+# kernel per chapter, progress per cell, a cell past NOTEBOOK_CELL_TIMEOUT seconds (or one that raises) stops
+# the run with an error, and known stderr noise is stripped from the outputs. NOTEBOOKS="03 04" picks chapters.
+NOTEBOOK_CELL_TIMEOUT ?= 900
+NOTEBOOKS ?=
 notebooks: $(STAMP)
-	cd notebooks && for f in [0-9][0-9]_*.py; do ../$(VENV)/bin/jupytext --to ipynb --execute "$$f" || exit 1; done
+	$(PY) notebooks/run_notebooks.py --cell-timeout $(NOTEBOOK_CELL_TIMEOUT) $(NOTEBOOKS)

@@ -5,6 +5,11 @@ concatenated q|k|v channels) and the fp32 recurrent state S. Per Gated DSA layer
 holds only what MLA needs to rebuild attention: the normalised kv latent c_kv, the
 (un-rotated) rope part of the key, and the lightning indexer's key. Nothing per head.
 Layers read and write their own entry in place; the model advances `seq_len`.
+
+A forward writes layer after layer, so one that stops part-way (an exception, a KeyboardInterrupt)
+leaves the early layers holding the new tokens and the late ones not. The model then marks the cache
+invalid (`invalidate`), and `check_usable` refuses it from then on, as it refuses a cache built for
+another layer pattern or batch size.
 """
 from __future__ import annotations
 
@@ -86,6 +91,36 @@ class HybridCache:
             DSALayerCache() if kind == DSA else KDALayerCache() for kind in config.layer_types
         ]
         self.seq_len = 0
+        self.invalid_reason: str | None = None
+
+    def invalidate(self, reason: str) -> None:
+        """Mark the cache unusable (a forward over it did not finish); check_usable raises from then on."""
+        self.invalid_reason = reason
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows the cache holds (None before the first forward)."""
+        for entry in self.layers:
+            for f in fields(entry):
+                tensor = getattr(entry, f.name)
+                if tensor is not None:
+                    return tensor.shape[0]
+        return None
+
+    def check_usable(self, config: ModelConfig, batch_size: int) -> None:
+        """Raise ValueError unless this cache is valid and was built for `config`'s layers and this batch size."""
+        if self.invalid_reason is not None:
+            raise ValueError(f"cache: unusable, a forward over it did not finish ({self.invalid_reason}), so some "
+                             f"layers hold its tokens and others do not; start again from model.new_cache()")
+        if len(self.layers) != config.num_layers:
+            raise ValueError(f"cache: has {len(self.layers)} layer entries, the model has {config.num_layers}")
+        for i, (entry, kind) in enumerate(zip(self.layers, config.layer_types)):
+            if isinstance(entry, DSALayerCache) != (kind == DSA):
+                raise ValueError(f"cache: entry {i} is a {type(entry).__name__} but layer {i} of the model is "
+                                 f"{kind!r}; build the cache with this model's new_cache()")
+        held = self.batch_size
+        if held is not None and held != batch_size:
+            raise ValueError(f"cache: holds {held} rows but input_ids has batch size {batch_size}")
 
     def __getitem__(self, layer_idx: int) -> KDALayerCache | DSALayerCache:
         return self.layers[layer_idx]

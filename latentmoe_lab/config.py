@@ -1,6 +1,6 @@
 """Model configuration: nested dataclasses, presets, validation and JSON/YAML I/O.
 
-Every field maps onto DESIGN.md section 1. `ModelConfig.validate()` runs on
+Every field maps onto docs/design.md §1. `ModelConfig.validate()` runs on
 construction and raises ValueError naming the field and the rule it broke, so a
 bad config fails before any tensor is allocated.
 """
@@ -13,13 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from latentmoe_lab.config_fields import ConfigTypeError, check_field_types, describe
+from latentmoe_lab.textfile import read_text_file
+
 KDA, DSA = "kda", "dsa"
 GATE_FORMS = ("lower_bound", "softplus")
+# The chunked KDA form pads T up to whole chunks and does O(C^2) work per chunk (C x C decay and score
+# matrices, a C-row triangular solve), so the cost per token grows with C; the state hand-off it saves
+# costs O(d_k d_v / C) per token. Past a few hundred the quadratic part dominates (4096 made a 40-token
+# forward take 8 s), and the Triton kernel tiles at most 128 anyway (ops/kda.py).
+MAX_KDA_CHUNK_SIZE = 256
 
 
 @dataclass
 class KDAConfig:
-    """Kimi Delta Attention (DESIGN 1.3)."""
+    """Kimi Delta Attention (docs/design.md §1.3)."""
 
     num_heads: int = 96
     head_dim_k: int = 128
@@ -34,7 +42,7 @@ class KDAConfig:
 
 @dataclass
 class MLAConfig:
-    """Multi-head latent attention inside Gated DSA (DESIGN 1.4)."""
+    """Multi-head latent attention inside Gated DSA (docs/design.md §1.4)."""
 
     num_heads: int = 96
     q_lora_rank: int = 1536
@@ -46,7 +54,7 @@ class MLAConfig:
 
 @dataclass
 class IndexerConfig:
-    """Lightning indexer and top-k selection of DSA (DESIGN 1.4)."""
+    """Lightning indexer and top-k selection of DSA (docs/design.md §1.4)."""
 
     num_heads: int = 64
     head_dim: int = 128
@@ -55,7 +63,7 @@ class IndexerConfig:
 
 @dataclass
 class MoEConfig:
-    """Stable LatentMoE (DESIGN 1.2)."""
+    """Stable LatentMoE (docs/design.md §1.2)."""
 
     num_experts: int = 896
     top_k: int = 16
@@ -73,7 +81,7 @@ class MoEConfig:
 
 @dataclass
 class VisionConfig:
-    """ViT-style vision tower (DESIGN 1.5). Sizes follow a SigLIP-so400m-class encoder."""
+    """ViT-style vision tower (docs/design.md §1.5). Sizes follow a SigLIP-so400m-class encoder."""
 
     patch_size: int = 14
     in_channels: int = 3
@@ -117,6 +125,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, dict):
                 setattr(self, name, _from_dict(cls, value, prefix=f"{name}."))
+            elif not isinstance(value, cls) and not (value is None and name == "vision"):
+                raise ConfigTypeError(f"{name}: expected a dict or a {cls.__name__}, got {describe(value)}")
+        check_field_types(self)
         if self.layer_types is None:
             self.layer_types = default_layer_types(self.num_layers, self.dsa_interval, self.final_layer_dsa)
         else:
@@ -137,6 +148,10 @@ class ModelConfig:
 
     # -------------------------------------------------------------- validation
     def validate(self) -> None:
+        check_field_types(self)
+        for name in _NESTED:
+            if getattr(self, name) is not None:
+                check_field_types(getattr(self, name), prefix=f"{name}.")
         positive = {
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
             "max_position_embeddings": self.max_position_embeddings,
@@ -162,6 +177,9 @@ class ModelConfig:
         for name, value in non_negative.items():
             _check(isinstance(value, int) and value >= 0, name, f"must be an integer >= 0, got {value!r}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        _check(self.initializer_range > 0, "initializer_range", "must be > 0 (the std of the initial weights)")
+        _check(self.kda.chunk_size <= MAX_KDA_CHUNK_SIZE, "kda.chunk_size",
+               f"must be <= {MAX_KDA_CHUNK_SIZE}, got {self.kda.chunk_size} (cost per token grows with the chunk)")
 
         _check(len(self.layer_types) == self.num_layers, "layer_types",
                f"has {len(self.layer_types)} entries but num_layers is {self.num_layers}")
@@ -242,8 +260,20 @@ class ModelConfig:
         return text
 
     @classmethod
-    def from_json(cls, source: str | Path) -> "ModelConfig":
-        return cls.from_dict(json.loads(_read(source)))
+    def from_json_text(cls, text: str) -> "ModelConfig":
+        """Parse JSON text (what `to_json()` returns)."""
+        return cls.from_dict(_parse(text, "JSON"))
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+        """Read a JSON file: a regular file only (no FIFO, directory or device), at most 1 MiB."""
+        return cls.from_json_text(read_text_file(path, "path"))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        """Same as from_json_file: the argument is always a path, never text (use from_json_text)."""
+        return cls.from_json_text(read_text_file(path, "path", hint="(from_json takes a file path; "
+                                                 "for JSON text use ModelConfig.from_json_text)"))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         import yaml
@@ -254,10 +284,20 @@ class ModelConfig:
         return text
 
     @classmethod
-    def from_yaml(cls, source: str | Path) -> "ModelConfig":
-        import yaml
+    def from_yaml_text(cls, text: str) -> "ModelConfig":
+        """Parse YAML text (what `to_yaml()` returns)."""
+        return cls.from_dict(_parse(text, "YAML"))
 
-        return cls.from_dict(yaml.safe_load(_read(source)))
+    @classmethod
+    def from_yaml_file(cls, path: str | Path) -> "ModelConfig":
+        """Read a YAML file: a regular file only (no FIFO, directory or device), at most 1 MiB."""
+        return cls.from_yaml_text(read_text_file(path, "path"))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ModelConfig":
+        """Same as from_yaml_file: the argument is always a path, never text (use from_yaml_text)."""
+        return cls.from_yaml_text(read_text_file(path, "path", hint="(from_yaml takes a file path; "
+                                                 "for YAML text use ModelConfig.from_yaml_text)"))
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A validated copy with top-level fields changed (nested parts may be given as dicts)."""
@@ -288,11 +328,23 @@ def _check(ok: bool, name: str, rule: str) -> None:
         raise ValueError(f"{name}: {rule}")
 
 
-def _read(source: str | Path) -> str:
-    path = Path(source)
-    if isinstance(source, Path) or (len(str(source)) < 4096 and "\n" not in str(source) and path.exists()):
-        return path.read_text()
-    return str(source)
+def _parse(text: str, language: str) -> Any:
+    """JSON or YAML text -> Python data; any parse error becomes a ValueError naming the language."""
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected {language} text as a str, got {type(text).__name__}")
+    if len(text) > 1 << 20:
+        raise ValueError(f"text: {len(text)} characters of {language}, more than a config needs (1 MiB)")
+    if language == "JSON":
+        parse, errors = json.loads, (ValueError, RecursionError)  # JSONDecodeError is a ValueError
+    else:
+        import yaml
+
+        parse, errors = yaml.safe_load, (yaml.YAMLError, ValueError, RecursionError)
+    try:
+        return parse(text)
+    except errors as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise ValueError(f"text: not valid {language}: {reason}") from None
 
 
 _NESTED = {"kda": KDAConfig, "mla": MLAConfig, "indexer": IndexerConfig, "moe": MoEConfig, "vision": VisionConfig}
@@ -300,7 +352,7 @@ _NESTED = {"kda": KDAConfig, "mla": MLAConfig, "indexer": IndexerConfig, "moe": 
 
 def _from_dict(cls, data: dict[str, Any], prefix: str):
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(str(key) for key in set(data) - known)
     if unknown:
         raise ValueError(f"{prefix}{unknown[0]}: unknown config field for {cls.__name__}")
     kwargs = dict(data)
@@ -324,6 +376,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                  n_group=4, topk_group=2),
         vision=dict(patch_size=14, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64),
     ),
+    # ~7M parameters (~2M active per token), every mechanism on: `latentmoe-lab train` on 2 CPU cores.
+    # Byte vocabulary (256 bytes + the 4 specials, rounded up); chunk 32 keeps the KDA backward cheap.
+    "mini": dict(
+        name="mini", vocab_size=384, hidden_size=192, num_layers=4, max_position_embeddings=8192,
+        first_dense_layers=1, dense_intermediate_size=576,
+        kda=dict(num_heads=3, head_dim_k=64, head_dim_v=64, conv_kernel=4, gate_rank=32, chunk_size=32),
+        mla=dict(num_heads=3, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                 v_head_dim=64),
+        indexer=dict(num_heads=2, head_dim=32, topk=64),
+        moe=dict(num_experts=16, top_k=2, num_shared_experts=1, expert_intermediate_size=384, latent_size=96,
+                 n_group=4, topk_group=2),
+        vision=dict(patch_size=14, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
+    ),
     # 50-150M parameters: trainable for a few steps on a CPU.
     "small": dict(
         name="small", vocab_size=32768, hidden_size=512, num_layers=8, max_position_embeddings=65536,
@@ -336,6 +401,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                  n_group=4, topk_group=2),
         vision=dict(patch_size=14, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768),
     ),
-    # The full-scale table of DESIGN.md section 1.1.
+    # The full-scale table of docs/design.md §1.1.
     "k3-2.8t": dict(name="k3-2.8t"),
 }

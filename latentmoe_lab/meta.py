@@ -118,3 +118,68 @@ def parameter_table(config: ModelConfig) -> str:
                      f"active; ours: {counts['total'] / published['total']:.4f}x total, "
                      f"{counts['active'] / published['active']:.4f}x active")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ exact bytes under a quantization recipe
+HIGH_PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def quantized_weight_bytes(fmt: str, stack: int, out_features: int, in_features: int) -> int:
+    """Exact bytes of `stack` matrices [out, in] packed in `fmt` (layouts: latentmoe_lab/quant/weight_*.py).
+
+    fp8: 1 byte per value + one fp32 scale per 128 x 128 block (ragged edge blocks count whole);
+    int8: 1 byte per value + one fp32 scale per output row; mxfp4: per row, ceil(in / 32) blocks of
+    16 bytes of values + 1 E8M0 scale byte (a ragged last block is padded).
+    """
+    def blocks(n: int, size: int) -> int:
+        return -(-n // size)
+
+    per_matrix = {"fp8": out_features * in_features + 4 * blocks(out_features, 128) * blocks(in_features, 128),
+                  "int8": out_features * in_features + 4 * out_features,
+                  "mxfp4": out_features * blocks(in_features, 32) * 17}
+    if fmt not in per_matrix:
+        raise ValueError(f"fmt: must be one of {sorted(per_matrix)}, got {fmt!r}")
+    return stack * per_matrix[fmt]
+
+
+def recipe_bytes(config: ModelConfig, recipe, dtype: str = "bf16") -> dict:
+    """Bytes a model quantized with `recipe` holds (parameters + buffers), from shapes only (meta device).
+
+    recipe: a latentmoe_lab.quant Recipe or its name. dtype: the high-precision parts' storage ("bf16" |
+    "fp16" | "fp32"). Packed weights follow `quantized_weight_bytes` (stacked experts as [E, out, in]);
+    a static activation scale adds 4 bytes per packed weight, SmoothQuant 4 bytes per input channel of a
+    packed linear (neither for weight-only layers, see `recipe.quantizes_activations`). Returns {"total",
+    "by_component": {component: bytes}, "buffers"} (buffers: the fp32 routing biases).
+    """
+    from torch import nn
+
+    from latentmoe_lab.layers.moe import LatentExperts
+    from latentmoe_lab.quant.recipes import get_recipe
+
+    if dtype not in HIGH_PRECISION_BYTES:
+        raise ValueError(f"dtype: must be one of {sorted(HIGH_PRECISION_BYTES)}, got {dtype!r}")
+    recipe = get_recipe(recipe)
+    model = build_meta_model(config)
+    by_component = dict.fromkeys(COMPONENTS, 0)
+    for name, param in model.named_parameters():
+        component = component_of(name, model)
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        fmt = recipe.weight_format(component, name)
+        if isinstance(module, nn.Linear) and leaf == "weight":
+            stack, out_features, in_features = 1, *param.shape
+        elif isinstance(module, LatentExperts):
+            stack, in_features, out_features = param.shape  # [E, D_in, D_out], packed as [E, out, in]
+        else:
+            fmt = None
+        if fmt is None:
+            by_component[component] += param.numel() * HIGH_PRECISION_BYTES[dtype]
+            continue
+        by_component[component] += quantized_weight_bytes(fmt, stack, out_features, in_features)
+        quantized_input = recipe.quantizes_activations(name)
+        if quantized_input and recipe.activations == "static":
+            by_component[component] += 4  # one input scale per packed tensor (experts: w13 and w2)
+        if quantized_input and recipe.smooth_alpha is not None and isinstance(module, nn.Linear):
+            by_component[component] += 4 * in_features
+    buffers = sum(buf.numel() * buf.element_size() for buf in model.buffers())
+    return {"total": sum(by_component.values()) + buffers, "by_component": by_component, "buffers": buffers}

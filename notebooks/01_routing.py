@@ -15,7 +15,7 @@
 #
 # A trillion-parameter MoE succeeds or fails at its router. **Load balance** decides whether devices idle
 # while one of them works through a hot expert; the **latent size** decides how many bytes every token sends
-# across the network. This chapter measures both on the layer the package builds (DESIGN.md 1.2):
+# across the network. This chapter measures both on the layer the package builds (docs/design.md §1.2):
 #
 # 1. the router math on a toy batch: sigmoid scores, a bias that picks but never weighs, routed scaling;
 # 2. top-k with group limits;
@@ -37,7 +37,6 @@ BALANCE_BATCH, BALANCE_SEQ = (4, 16) if SMOKE else (8, 64)
 
 # %%
 import ipywidgets
-import plotly.io as pio
 import torch
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
@@ -50,8 +49,9 @@ from latentmoe_lab.training.balance import balance_config, compare_balancing
 from latentmoe_lab.viz import expert_load_figure
 from latentmoe_lab.viz import routing as viz
 from latentmoe_lab.workloads import WORKLOADS, make_workload
+from latentmoe_lab.viz.notebook import use_notebook_renderer
 
-pio.renderers.default = "plotly_mimetype"
+use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 # The models here are small: on a small shared CPU, extra threads cost more than they bring.
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -194,7 +194,7 @@ viz.workload_summary_figure([m.name for m in measured], [m.stats.max_over_mean f
 #
 # ## 5. Balancing: bias update vs auxiliary loss vs nothing
 #
-# Two ways to push back against collapse (DESIGN.md 1.2):
+# Two ways to push back against collapse (docs/design.md §1.2):
 #
 # - **auxiliary-loss-free bias update**, after every step: $b_i \leftarrow b_i + u\,\operatorname{sign}(\bar c - c_i)$.
 #   It changes which experts are picked, never the loss, so the language-model gradient is untouched;

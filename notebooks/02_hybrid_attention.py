@@ -15,7 +15,7 @@
 #
 # Of the model's 93 layers, 69 mix tokens with **KDA**, a linear attention whose memory is a fixed-size
 # matrix, and 24 with **Gated DSA**, softmax attention over the 2048 positions a cheap *lightning indexer*
-# picks (DESIGN.md 1.3, 1.4). This chapter opens both up on the layers the package builds:
+# picks (docs/design.md §1.3, §1.4). This chapter opens both up on the layers the package builds:
 #
 # 1. the KDA recurrence step by step on a toy example;
 # 2. the chunked form computes the same thing as the recurrence;
@@ -42,7 +42,6 @@ import statistics
 import time
 
 import ipywidgets
-import plotly.io as pio
 import torch
 
 from latentmoe_lab import ModelConfig
@@ -57,8 +56,9 @@ from latentmoe_lab.ops.sparse_attention import select_topk
 from latentmoe_lab.training.indexer import (indexer_scores_and_target, peaked_layer, synthetic_hidden_states,
                                             topk_recall, train_indexer)
 from latentmoe_lab.viz import attention as viz
+from latentmoe_lab.viz.notebook import use_notebook_renderer
 
-pio.renderers.default = "plotly_mimetype"
+use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 torch.set_num_threads(1)  # small layers on a small shared CPU: extra threads cost more than they bring
 torch.manual_seed(0)
 full = ModelConfig.from_preset("k3-2.8t")
@@ -109,7 +109,7 @@ viz.kda_state_steps_figure(torch.stack(states), labels=[f"token {t}" for t in ra
 # ## 2. The chunked form computes the same thing
 #
 # Token by token is exact but sequential. `kda_chunked` splits the sequence into chunks of $C = 64$ and
-# does all the work inside a chunk with matrix products (the WY / UT transform, DESIGN 1.3). Only the
+# does all the work inside a chunk with matrix products (the WY / UT transform, docs/design.md §1.3). Only the
 # hand-off of $S$ from one chunk to the next is a loop. Inside a chunk the pairwise decays
 # $e^{\Gamma_i - \Gamma_j}$ ($\Gamma$ = cumulative $g$) are never formed for all $C \times C$ pairs:
 #
@@ -152,7 +152,7 @@ viz.chunked_vs_recurrent_figure(reference, kda_chunked(q, k, v, g, beta, initial
 #
 # ## 3. The forget gates
 #
-# The gate is low rank, $x \to 128 \to H d_k$ at full scale, and comes in two forms (DESIGN 1.3):
+# The gate is low rank, $x \to 128 \to H d_k$ at full scale, and comes in two forms (docs/design.md §1.3):
 #
 # - **lower bound**: $g = -5\,\sigma(e^{A}(f(x) + b))$, so $e^{g} \in [e^{-5}, 1]$: no channel forgets
 #   faster than a factor 0.0067 per token;
@@ -182,7 +182,7 @@ viz.decay_gates_figure(decays)
 #
 # A KDA layer keeps $H \cdot d_k \cdot d_v$ fp32 numbers (plus a 3-token conv tail), whatever the context.
 # A Gated DSA layer keeps per token the MLA latent and rope key (576 bf16 values) and an FP8 index key with a
-# scale. For comparison: a plain GQA cache (80 layers, 8 KV heads of 128, 1 byte), DESIGN 1.6.
+# scale. For comparison: a plain GQA cache (80 layers, 8 KV heads of 128, 1 byte), docs/design.md §1.6.
 
 # %%
 contexts = [2 ** p for p in range(10, 21)]  # 1k .. 1M

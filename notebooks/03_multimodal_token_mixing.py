@@ -14,7 +14,7 @@
 # # 03 · Native multimodal token mixing
 #
 # "Native multimodal" means that image tokens live in **the same sequence** as text tokens and go through
-# **the same attention layers and the same experts** (DESIGN.md 1.5). There is no separate image model that
+# **the same attention layers and the same experts** (docs/design.md §1.5). There is no separate image model that
 # hands a summary to the language model: a small ViT turns pixels into vectors of the text hidden size, and
 # those vectors simply take the place of placeholder tokens.
 #
@@ -36,15 +36,15 @@ TRAIN_KINDS = ("colour", "shape")
 EVAL_SIZE = 48 if SMOKE else 240
 
 # %%
-import plotly.io as pio
 import torch
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab import multimodal as mm
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.viz import multimodal as viz
+from latentmoe_lab.viz.notebook import use_notebook_renderer
 
-pio.renderers.default = "plotly_mimetype"
+use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 # The tiny model's matrices are small: on a small shared CPU, extra threads cost more than they bring.
 torch.set_num_threads(1)
 torch.manual_seed(0)

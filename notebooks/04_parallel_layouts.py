@@ -41,7 +41,6 @@ NPROC = 4                              # processes per launch (2 CPU cores here:
 
 # %%
 import ipywidgets
-import plotly.io as pio
 import torch
 from collections import Counter
 
@@ -53,8 +52,9 @@ from latentmoe_lab.parallel.mesh import world_layout
 from latentmoe_lab.parallel.offload import dispatch_with_offload, full_scale_device_map, offload_experts
 from latentmoe_lab.parallel.pipeline import partition_layers, simulate_schedule, stage_costs
 from latentmoe_lab.viz import parallel as viz
+from latentmoe_lab.viz.notebook import use_notebook_renderer
 
-pio.renderers.default = "plotly_mimetype"
+use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 torch.set_num_threads(1)
 tiny = ModelConfig.from_preset("tiny")
 full = ModelConfig.from_preset("k3-2.8t")
@@ -79,8 +79,10 @@ for rank, coords in enumerate(world_layout(layout)):
 # %% [markdown]
 # ## 2. Real runs, launched from this notebook
 #
-# `run_layouts` starts `NPROC` processes through accelerate's `notebook_launcher` (gloo on CPU; the
-# same worker runs under `torchrun` or `accelerate launch` on GPUs, see the README). Each worker joins
+# `run_layouts` starts `NPROC` processes (gloo on CPU; the same worker runs under `torchrun` or
+# `accelerate launch` on GPUs, see the README). From a script it uses accelerate's `notebook_launcher`;
+# inside this kernel it *spawns* them through torch's elastic launcher instead, because a forked copy of
+# a kernel's own threads can hang. Each worker joins
 # with `PartialState(cpu=True)`, rebuilds the same seeded tiny model, and for each layout:
 # parallelizes it, runs a prefill and greedy decoding, and compares with the single-process model.
 # All layouts of one launch share the 4 processes: EP=2 runs as EP2 x DP2, and so on.
@@ -100,12 +102,15 @@ reports = dict(zip(layouts, run_layouts(list(layouts.values()),
                                         RunSettings(batch=4, seq_len=SEQ_LEN, new_tokens=NEW_TOKENS))))
 print(f"{'layout':<28}{'max |logit error|':>18}{'tokens equal':>14}{'bytes = planner':>17}")
 for name, report in reports.items():
-    print(f"{name:<28}{report.max_abs_logit_error:>18.2e}{str(report.tokens_equal):>14}{str(report.bytes_match):>17}")
-assert all(r.max_abs_logit_error <= 1e-5 and r.tokens_equal and r.bytes_match for r in reports.values())
+    print(f"{name:<28}{report.max_abs_logit_error:>18.2e}{str(report.tokens_match):>14}{str(report.bytes_match):>17}")
+assert all(r.max_abs_logit_error <= 1e-5 and r.tokens_match and r.bytes_match for r in reports.values())
 
 # %% [markdown]
 # Errors are float rounding (partial sums added in another order), far below 1e-5, and every greedy
-# token agrees. Who held what: in EP2 x TP2 each rank keeps half of the experts at half of their
+# token agrees. The token check is tie-aware: where a layout picks another token, it reads the
+# single-process model's logit margin between the two, and accepts the difference only as a near-tie
+# (margin <= `RunSettings.tie_margin`, 1e-4); at thousands of tokens, near-ties in the indexer's top-k
+# make such flips happen even in one process when only the batch size changes. Who held what: in EP2 x TP2 each rank keeps half of the experts at half of their
 # intermediate width (and half of the heads); in PP2 x EP2 each pipeline stage keeps a contiguous block of
 # layers, balanced by active parameters per token.
 

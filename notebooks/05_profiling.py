@@ -34,15 +34,15 @@ DECODE_STEPS = 4 if SMOKE else 32
 SCALING_LENS = [16, 32, 64] if SMOKE else [128, 256, 512, 1024, 2048]
 
 # %%
-import plotly.io as pio
 import torch
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.meta import format_count
 from latentmoe_lab.profiling import COMPONENTS, prefill_decode_profile, top_ops
 from latentmoe_lab.viz import profiling as viz
+from latentmoe_lab.viz.notebook import use_notebook_renderer
 
-pio.renderers.default = "plotly_mimetype"
+use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 torch.manual_seed(0)
 config = ModelConfig.from_preset(PRESET)
 model = LatentMoEForCausalLM(config).eval()

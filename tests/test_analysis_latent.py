@@ -1,4 +1,4 @@
-"""Latent trade-offs and expert-parallel rank loads, computed from the config (DESIGN 1.2)."""
+"""Latent trade-offs and expert-parallel rank loads, computed from the config (docs/design.md §1.2)."""
 import math
 
 import pytest

@@ -29,8 +29,8 @@ def test_tiny_preset_activates_every_mechanism():
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_json_and_yaml_round_trip(preset, tmp_path):
     cfg = ModelConfig.from_preset(preset)
-    assert ModelConfig.from_json(cfg.to_json()) == cfg
-    assert ModelConfig.from_yaml(cfg.to_yaml()) == cfg
+    assert ModelConfig.from_json_text(cfg.to_json()) == cfg
+    assert ModelConfig.from_yaml_text(cfg.to_yaml()) == cfg
     cfg.to_yaml(tmp_path / "c.yaml")
     cfg.to_json(tmp_path / "c.json")
     assert ModelConfig.from_yaml(tmp_path / "c.yaml") == cfg

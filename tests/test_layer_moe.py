@@ -1,4 +1,4 @@
-"""LatentMoE layer against its per-token reference (DESIGN 1.2), plus the SwiGLU FFN."""
+"""LatentMoE layer against its per-token reference (docs/design.md §1.2), plus the SwiGLU FFN."""
 import pytest
 import torch
 

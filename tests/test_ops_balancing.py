@@ -1,4 +1,4 @@
-"""Balancing ops (DESIGN 1.2): bias update, sequence-wise aux loss, z-loss, routing statistics; and the layer hooks."""
+"""Balancing ops (docs/design.md §1.2): bias update, sequence aux loss, z-loss, routing statistics; layer hooks."""
 import math
 
 import pytest

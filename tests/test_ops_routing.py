@@ -1,4 +1,4 @@
-"""Routing, dispatch and grouped matmul against their reference twins (DESIGN 1.2)."""
+"""Routing, dispatch and grouped matmul against their reference twins (docs/design.md §1.2)."""
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """Grouped GEMM over expert-major rows (optionally with SwiGLU fused), and the weighted combine.
 
-Math (DESIGN 1.2): rows offsets[e-1]:offsets[e] of x [M, D_in] belong to expert e and meet w[e]:
+Math (docs/design.md §1.2): rows offsets[e-1]:offsets[e] of x [M, D_in] belong to expert e and meet w[e]:
 
     plain:   out = x_e @ w[e]                                  w: [E, D_in, D_out]
     SwiGLU:  out = silu(x_e @ w[e][:, :F]) * (x_e @ w[e][:, F:])   w: [E, D_in, 2F] (gate | up)
@@ -12,7 +12,7 @@ torch prologue lays them out back to back and gives each tile its (expert, first
 grid is sized by the bound ceil(M / BLOCK_M) + E, known without reading counts back to the host;
 tiles past the end exit at once. Each program walks D_in in BLOCK_K steps with an fp32 accumulator.
 In SwiGLU mode it keeps two accumulators, gate and up columns of the same tile, and applies
-silu(gate) * up (and the optional clamp) before the single store, so the 2F-wide pre-activation is never
+silu(gate) * up (with the optional clamp on gate and up) before the single store, so the 2F-wide pre-activation is never
 written out.
 
 The combine runs per token block instead of per row: each token gathers its K rows and adds them with
@@ -62,9 +62,10 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_start_
 
     out = acc
     if SWIGLU:
+        if HAS_CLAMP:  # docs/design.md §1.2: bound both inputs of the product, not the product
+            acc = tl.minimum(acc, clamp)
+            acc_up = tl.minimum(tl.maximum(acc_up, -clamp), clamp)
         out = acc * tl.sigmoid(acc) * acc_up
-        if HAS_CLAMP:
-            out = tl.minimum(tl.maximum(out, -clamp), clamp)
     tl.store(out_ptr + rows[:, None] * d_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -134,7 +135,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor,
                    clamp: float | None = None) -> torch.Tensor:
-    """silu(x_e @ gate_e) * (x_e @ up_e), optionally clamped to [-clamp, clamp] -> [M, F] in x's dtype.
+    """silu(x_e @ gate_e) * (x_e @ up_e) -> [M, F] in x's dtype; clamp c: silu(min(gate, c)) * clamp(up, -c, c).
 
     x: [M, D] expert-major rows; w13: [E, D, 2F] with gate columns first; offsets: [E] end offsets.
     """

@@ -1,6 +1,6 @@
 """Kimi Delta Attention kernels: a chunked forward and a recurrent (decode) step.
 
-Math (DESIGN 1.3), per head, state S [K, V] fp32: S' = exp(g_t) * S (row-wise), S = S' + beta_t k_t
+Math (docs/design.md §1.3), per head, state S [K, V] fp32: S' = exp(g_t) * S (row-wise), S = S' + beta_t k_t
 (v_t - S'^T k_t)^T, o_t = S^T (scale q_t). Inside a chunk of C tokens, with Gamma = cumsum(g):
 
     A[i, j]   = beta_i sum_d k_id k_jd exp(Gamma_id - Gamma_jd)     j < i

@@ -1,6 +1,6 @@
 """Fused sigmoid top-k routing: router logits -> weights, indices, per-expert counts, expert-major order.
 
-Math (DESIGN 1.2), per token: s = sigmoid(logits), choice = s + bias (optionally only inside the
+Math (docs/design.md §1.2), per token: s = sigmoid(logits), choice = s + bias (optionally only inside the
 topk_group best groups, a group scoring the sum of its top-2 choices), I = TopK(choice, K),
 w_i = s_i / sum_{j in I} s_j * scaling.
 

@@ -1,6 +1,6 @@
 """Gated DSA kernels: lightning-indexer scores with causal top-k, and sparse attention over the picks.
 
-Math (DESIGN 1.4): I[t, s] = sum_j w[t, j] ReLU(q_idx[t, j] . k_idx[s]); S_t = TopK_{s <= t + offset}
+Math (docs/design.md §1.4): I[t, s] = sum_j w[t, j] ReLU(q_idx[t, j] . k_idx[s]); S_t = TopK_{s <= t + offset}
 I[t, s], padded with -1; o[t, h] = sum_{s in S_t} softmax_s(scale q[t, h] . k[s]) v[s].
 
 Index top-k blocking: one program per (batch, query). It streams the visible keys in blocks of KP

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from latentmoe_lab.config import DSA, ModelConfig, default_layer_types
 
-KDA_STATE_BYTES = 4  # fp32 recurrent state (DESIGN 1.4 conventions)
+KDA_STATE_BYTES = 4  # fp32 recurrent state (docs/design.md §4)
 ACTIVATION_BYTES = 2  # bf16: conv tails, MLA latent cache
 INDEX_KEY_BYTES = 1  # FP8 index keys ...
 INDEX_SCALE_BYTES = 4  # ... plus one fp32 scale per token
@@ -68,7 +68,7 @@ def dsa_cost(config: ModelConfig, context: int, sparse: bool = True) -> MixerCos
 
 
 def gqa_cache_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, bytes_per_value: float) -> float:
-    """Plain GQA KV cache: 2 (K and V) x layers x kv_heads x head_dim x seq_len x bytes (DESIGN 1.6)."""
+    """Plain GQA KV cache: 2 (K and V) x layers x kv_heads x head_dim x seq_len x bytes (docs/design.md §1.6)."""
     return 2.0 * layers * kv_heads * head_dim * seq_len * bytes_per_value
 
 

@@ -1,6 +1,6 @@
 """Latent trade-offs of one Stable LatentMoE layer and what expert parallelism puts on each rank.
 
-All numbers come from a ModelConfig (DESIGN.md 1.2). With alpha = d / l:
+All numbers come from a ModelConfig (docs/design.md §1.2). With alpha = d / l:
 
     one expert        3 * l * inter weights                              shrinks by alpha
     payload / token   K * l values each way (dispatch, then combine)     shrinks by alpha at fixed K

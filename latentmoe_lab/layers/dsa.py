@@ -1,4 +1,5 @@
-"""Gated DSA: DeepSeek Sparse Attention on multi-head latent attention, with a sigmoid output gate (DESIGN 1.4).
+"""Gated DSA: DeepSeek Sparse Attention on multi-head latent attention (MLA), with a sigmoid output gate
+(docs/design.md §1.4).
 
     c_q  = RMSNorm(W_qa x)                      q = W_qb c_q -> per head [q_nope | q_rope]
     c_kv = RMSNorm(W_kva x)[:kv_lora]           k_rope = (W_kva x)[kv_lora:]  (NoPE: never rotated, one for all heads)
@@ -21,13 +22,16 @@ from collections.abc import Iterator
 import torch
 from einops import einsum, rearrange
 from torch import nn
+from torch.profiler import record_function
 
 from latentmoe_lab.cache import DSALayerCache
 from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
 from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, index_topk,
                                                 sparse_attention)
+from latentmoe_lab.paged_pools import DSAPool
 
 
 class LightningIndexer(nn.Module):
@@ -53,11 +57,13 @@ class LightningIndexer(nn.Module):
         q_idx = rearrange(self.wq(c_q), "b t (j d) -> b t j d", j=self.num_heads)
         return q_idx, self.w_heads(x) * self.head_scale
 
+    @record_function("attn.dsa.indexer")
     def scores(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden], c_q: [B, T, q_lora], index_keys: [B, S, DI] -> I [B, T, S] fp32 (not masked)."""
         q_idx, head_weights = self.queries(x, c_q)
         return index_scores(q_idx, index_keys, head_weights)
 
+    @record_function("attn.dsa.indexer")
     def select(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor, offset: int,
                first_key: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, hidden], c_q: [B, T, q_lora], index_keys: [B, S, DI] -> positions [B, T, topk] (-1 pads).
@@ -109,8 +115,10 @@ class GatedDSA(nn.Module):
         self.w_gate = nn.Linear(config.hidden_size, mla.num_heads * mla.v_head_dim, bias=False)
         self.wo = nn.Linear(mla.num_heads * mla.v_head_dim, config.hidden_size, bias=False)
 
+    @record_function("attn.dsa")
     def forward(self, x: torch.Tensor, cache: DSALayerCache | None = None, absorb: bool | None = None,
-                dense: bool = False, sequence_start: torch.Tensor | None = None) -> torch.Tensor:
+                dense: bool = False, sequence_start: torch.Tensor | None = None,
+                batch: ForwardBatch | None = None, pool: DSAPool | None = None) -> torch.Tensor:
         """Attend the T new tokens over the cache (if given, appended to first) and themselves.
 
         absorb=None picks the absorbed form for sparse attention (one top-k gather of the latent serves
@@ -119,7 +127,11 @@ class GatedDSA(nn.Module):
         dense=True skips the indexer and attends over every causal position (the equality reference).
         sequence_start [B, T] int64 (packed sequences, no cache): position of the first token of each token's
         own sequence; no query sees a key before it.
+        batch + pool (serving, docs/design.md §6.4): x is [1, total, hidden], the new tokens of batch's S
+        sequences, written to the paged pool and attending over their own sequence's keys (sparse, absorbed).
         """
+        if batch is not None or pool is not None:
+            return self._forward_paged(x, batch, pool, cache, absorb, dense, sequence_start)
         self._check_inputs(x, cache, absorb)
         check_sequence_start(sequence_start, x, cache)
         if absorb is None:
@@ -135,17 +147,25 @@ class GatedDSA(nn.Module):
             latent_rope, index_keys = cache.absorbed_keys, cache.index_keys  # views, no copy of the cache
 
         if absorb:
-            w_kb, w_vb = rearrange(self.wkv_b.weight, "(h d) c -> h d c", h=self.num_heads).split(
-                [self.nope_dim, self.v_head_dim], dim=1)  # [H, nope, kv_lora], [H, v, kv_lora]
+            w_kb, w_vb = self._absorb_weights()
             attn = self._attend(*self._absorbed_qkv(q_nope, q_rope, latent_rope, w_kb), x, c_q, index_keys,
                                 offset, dense, sequence_start)  # [B, T, H, kv_lora]
             attn = einsum(attn, w_vb, "b t h c, h v c -> b t h v")  # W_vb moves after the softmax
         else:
             attn = self._attend(*self._expanded_qkv(q_nope, q_rope, latent_rope), x, c_q, index_keys, offset, dense,
                                 sequence_start)
+        return self._gated_output(attn, x)
 
+    def _gated_output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """attn [B, T, H, v] -> W_o [attn * sigmoid(W_g x)] [B, T, hidden]."""
         gate = torch.sigmoid(rearrange(self.w_gate(x), "b t (h d) -> b t h d", h=self.num_heads))
         return self.wo(rearrange(attn * gate, "b t h d -> b t (h d)"))
+
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_kvb split per head into its key half [H, nope, kv_lora] and value half [H, v, kv_lora]."""
+        w_kb, w_vb = rearrange(self.wkv_b.weight, "(h d) c -> h d c", h=self.num_heads).split(
+            [self.nope_dim, self.v_head_dim], dim=1)
+        return w_kb, w_vb
 
     def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] -> dense causal attention weights [B, H, T, T], fp32 or fp64 (no cache).
@@ -190,6 +210,7 @@ class GatedDSA(nn.Module):
         k = latent_rope[:, :, None, :]  # [B, S, 1, kv_lora + rope]
         return q, k, k[..., :self.kv_lora_rank]
 
+    @record_function("attn.dsa.attend")
     def _attend(self, q, k, v, x, c_q, index_keys, offset, dense, first_key=None):
         """Dense causal attention, or sparse attention over the indexer's top-k, one query block at a time."""
         if dense and first_key is not None:  # every key of the query's own sequence, through the sparse op
@@ -203,6 +224,69 @@ class GatedDSA(nn.Module):
                   for start, stop, indices in self.indexer.select_blocks(x, c_q, index_keys, offset, self.query_block,
                                                                          first_key)]
         return torch.cat(blocks, dim=1) if blocks else q.new_zeros(*q.shape[:3], v.shape[-1])
+
+    # ------------------------------------------------------------------------------ paged (serving)
+    def _forward_paged(self, x: torch.Tensor, batch: ForwardBatch | None, pool: DSAPool | None,
+                       cache, absorb, dense, sequence_start) -> torch.Tensor:
+        """x [1, total, hidden] of batch's S sequences -> [1, total, hidden], through the paged pool.
+
+        The new [c_kv | k_rope] and index keys go to pool positions slot_mapping first; then every query
+        scores its own sequence's keys, read through the block table (context_len + its new tokens), takes
+        the indexer's top-k and attends in absorbed form: the path the contiguous cache takes, with the same
+        ops. Decodes run batched (keys left-padded to the longest, the padding hidden by index_topk's
+        first_key; see _decode_groups); each prefill chunk runs on its own.
+        The gathered keys go through index_topk / sparse_attention with backend="auto" (fused kernels on
+        CUDA). Kernels that could take block tables later: latentmoe_kernels.sparse_attention's index_topk
+        and sparse_attention already load key rows by position, so mapping a position through the block
+        table inside them would read the pool directly and drop the O(context) gather per layer here.
+        """
+        if batch is None or not isinstance(pool, DSAPool):
+            raise TypeError(f"batch, pool: the paged path needs a ForwardBatch and a DSAPool, got "
+                            f"{type(batch).__name__} and {type(pool).__name__}")
+        if cache is not None or sequence_start is not None or absorb is False or dense:
+            raise ValueError("batch: the paged path takes no cache or sequence_start and always attends "
+                             "sparse in absorbed form (absorb=None, dense=False)")
+        self._check_inputs(x, None, None)
+        if x.shape[:2] != (1, batch.num_tokens):
+            raise ValueError(f"x: expected shape [1, total={batch.num_tokens}, hidden], got {tuple(x.shape)}")
+        c_q, q_nope, q_rope, latent, k_rope, index_keys = self.project(x)
+        pool.write(batch.slot_mapping, torch.cat([latent, k_rope], dim=-1)[0], index_keys[0])
+        w_kb, w_vb = self._absorb_weights()
+
+        attn = q_nope.new_empty(*q_nope.shape[:3], self.kv_lora_rank)  # [1, total, H, kv_lora]
+        starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
+        decodes = [i for i, n in enumerate(lengths) if n == 1]
+        for group in _decode_groups(decodes, batch.context_len.tolist()):
+            seqs = torch.tensor(group, device=x.device)
+            tokens = batch.query_start[seqs]
+            keys, keys_index, first_key = self._gather_left_padded(batch, pool, seqs, x.dtype)
+            q, k, v = self._absorbed_qkv(q_nope[0, tokens][:, None], q_rope[0, tokens][:, None], keys, w_kb)
+            attn[0, tokens] = self._attend(q, k, v, x[0, tokens][:, None], c_q[0, tokens][:, None], keys_index,
+                                           keys.shape[1] - 1, False, first_key)[:, 0]
+        for i in (i for i, n in enumerate(lengths) if n > 1):
+            span = slice(starts[i], starts[i + 1])
+            context = int(batch.context_len[i])
+            keys, keys_index = pool.read(_sequence_positions(batch, i, context + lengths[i]))
+            q, k, v = self._absorbed_qkv(q_nope[:, span], q_rope[:, span], keys.to(x.dtype)[None], w_kb)
+            attn[:, span] = self._attend(q, k, v, x[:, span], c_q[:, span], keys_index.to(x.dtype)[None],
+                                         context, False)
+        return self._gated_output(einsum(attn, w_vb, "b t h c, h v c -> b t h v"), x)
+
+    def _gather_left_padded(self, batch: ForwardBatch, pool: DSAPool, seqs: torch.Tensor, dtype: torch.dtype):
+        """Keys of the decoding sequences `seqs` [S_dec], right-aligned in [S_dec, N_max, *] buffers.
+
+        Returns (latent keys [S_dec, N_max, kv_lora + rope], index keys [S_dec, N_max, d_I], first_key
+        [S_dec, 1]): row j's real keys sit at N_max - n_j .. N_max - 1, so the one query at N_max - 1 sees them
+        in their own order (the top-k tie rule is unchanged) and first_key = N_max - n_j hides the padding.
+        """
+        counts = batch.context_len[seqs] + 1
+        longest = int(counts.max())
+        pad = longest - counts  # [S_dec]
+        token = (torch.arange(longest, device=seqs.device) - pad[:, None]).clamp(min=0)  # [S_dec, N_max]
+        blocks = batch.block_table[seqs].gather(1, token // batch.block_size)
+        keys, keys_index = pool.read((blocks * batch.block_size + token % batch.block_size).flatten())
+        shape = (len(seqs), longest, -1)
+        return keys.to(dtype).reshape(shape), keys_index.to(dtype).reshape(shape), pad[:, None]
 
     # ------------------------------------------------------------------------------------ checks
     def _check_inputs(self, x: torch.Tensor, cache: DSALayerCache | None, absorb: bool | None) -> None:
@@ -218,3 +302,27 @@ class GatedDSA(nn.Module):
         if absorb is not None and not isinstance(absorb, bool):
             raise TypeError(f"absorb: expected a bool or None, got {type(absorb).__name__}")
 
+
+
+def _sequence_positions(batch: ForwardBatch, seq: int, count: int) -> torch.Tensor:
+    """Flat pool positions [count] of sequence `seq`'s tokens 0 .. count-1, through its block table."""
+    token = torch.arange(count, device=batch.block_table.device)
+    return batch.block_table[seq, token // batch.block_size] * batch.block_size + token % batch.block_size
+
+
+def _decode_groups(decodes: list[int], context_lens: list[int], max_padding: float = 2.0) -> list[list[int]]:
+    """Split the decoding sequences into batches whose left-padded keys stay within max_padding x the real ones.
+
+    One long context among short ones would otherwise make every short decode score and gather as many
+    keys as the long one. Longest first, a group grows while count x longest <= max_padding x real keys.
+    """
+    groups, real = [], 0
+    for seq in sorted(decodes, key=lambda i: -context_lens[i]):
+        keys = context_lens[seq] + 1
+        if groups and (len(groups[-1]) + 1) * (context_lens[groups[-1][0]] + 1) <= max_padding * (real + keys):
+            groups[-1].append(seq)
+            real += keys
+        else:
+            groups.append([seq])
+            real = keys
+    return groups

@@ -2,19 +2,28 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from latentmoe_lab.ops.routing import swiglu
 
 
 class SwiGLU(nn.Module):
-    """y = W2( silu(W1 x) * (W3 x) ), no biases. x: [..., hidden] -> [..., hidden]."""
+    """y = W2( silu(W1 x) * (W3 x) ), no biases. x: [..., hidden] -> [..., hidden].
 
-    def __init__(self, hidden: int, intermediate: int):
+    activation_clamp c (shared experts, docs/design.md §1.2): silu(min(W1 x, c)) * clamp(W3 x, -c, c).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, activation_clamp: float | None = None):
         super().__init__()
         for name, value in (("hidden", hidden), ("intermediate", intermediate)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if activation_clamp is not None and (isinstance(activation_clamp, bool) or
+                                             not isinstance(activation_clamp, (int, float)) or
+                                             not activation_clamp > 0):
+            raise ValueError(f"activation_clamp: must be a positive number or None, got {activation_clamp!r}")
         self.hidden = hidden
+        self.activation_clamp = activation_clamp
         self.w1 = nn.Linear(hidden, intermediate, bias=False)  # gate
         self.w3 = nn.Linear(hidden, intermediate, bias=False)  # up
         self.w2 = nn.Linear(intermediate, hidden, bias=False)  # down
@@ -22,4 +31,4 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden:
             raise ValueError(f"x: expected last dim {self.hidden} [..., hidden], got shape {tuple(x.shape)}")
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.activation_clamp))

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (DESIGN 1.3): projections, short conv, gates and the KDA op.
+"""Kimi Delta Attention layer (docs/design.md §1.3): projections, short conv, gates and the KDA op.
 
     q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x)))
     v    = SiLU(ShortConv(W_v x))
@@ -17,13 +17,16 @@ import torch
 import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import nn
+from torch.profiler import record_function
 
 from latentmoe_lab.cache import KDALayerCache
 from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.norms import l2_norm
+from latentmoe_lab.paged_pools import KDAPool
 
 # Initial per-step decay rate dt = softplus(dt_bias), log-uniform in this range (as in Mamba):
 # small dt means slow forgetting at the start of training, in both gate forms.
@@ -91,30 +94,31 @@ class KimiDeltaAttention(nn.Module):
             return self.gate_lower_bound * torch.sigmoid(rate * logits)
         return -rate * F.softplus(logits)
 
+    @record_function("attn.kda")
     def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None,
-                sequence_start: torch.Tensor | None = None) -> torch.Tensor:
+                sequence_start: torch.Tensor | None = None, batch: ForwardBatch | None = None,
+                pool: KDAPool | None = None) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]. A cache is read, then updated in place.
 
         sequence_start [B, T] int64 (packed sequences, no cache; see layers/packed.py): the state is erased
         at each sequence's first token, and the short conv does not reach back into the previous sequence.
+        batch + pool (serving, docs/design.md §6.4): x is [1, total, hidden], the new tokens of batch's S
+        sequences; each continues from the state and conv tail in its slot of `pool`, written back after.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected shape [B, T, {self.q_proj.in_features}], got {shape}")
+        if batch is not None or pool is not None:
+            return self._forward_paged(x, batch, pool, cache, sequence_start)
         if cache is not None and not isinstance(cache, KDALayerCache):
             raise TypeError(f"cache: expected KDALayerCache or None, got {type(cache).__name__}")
         check_sequence_start(sequence_start, x, cache)
         seq_len = x.shape[1]
 
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv = F.silu(self._short_conv(qkv, cache) if sequence_start is None
-                     else self._short_conv_packed(qkv, sequence_start))
-        key_width = self.num_heads * self.head_dim_k
-        q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads)
-                   for t in qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1))
-        q, k = l2_norm(q, eps=1e-6), l2_norm(k, eps=1e-6)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        g = self.forget_gate(x)
+        qkv = self._qkv(x)
+        qkv = (self._short_conv(qkv, cache) if sequence_start is None
+               else self._short_conv_packed(qkv, sequence_start))
+        q, k, v, g, beta = self._heads(qkv, x)
         if sequence_start is not None:
             first = sequence_start == torch.arange(seq_len, device=x.device)  # [B, T]
             g = g.masked_fill(first[..., None, None], SEQUENCE_START_DECAY)
@@ -129,7 +133,23 @@ class KimiDeltaAttention(nn.Module):
                                      output_final_state=keep_state, chunk_size=self.chunk_size)
         if keep_state:
             cache.recurrent_state = state
+        return self._output(out, x)
 
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> the concatenated q|k|v projections [B, T, channels], before the short conv."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def _heads(self, conv_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Short-conv output [B, T, channels] and x -> q, k ([B, T, H, d_k], L2-normed), v, g (fp32), beta (fp32)."""
+        qkv = F.silu(conv_out)
+        key_width = self.num_heads * self.head_dim_k
+        q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads)
+                   for t in qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1))
+        q, k = l2_norm(q, eps=1e-6), l2_norm(k, eps=1e-6)
+        return q, k, v, self.forget_gate(x), torch.sigmoid(self.b_proj(x).float())
+
+    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """KDA output [B, T, H, d_v] -> W_o [RMSNorm_head(out) * sigmoid(W_g x)] [B, T, hidden]."""
         gate = rearrange(torch.sigmoid(self.g_proj(x)), "b t (h d) -> b t h d", h=self.num_heads)
         out = self.o_norm(out) * gate
         return self.o_proj(rearrange(out, "b t h d -> b t (h d)"))
@@ -160,3 +180,75 @@ class KimiDeltaAttention(nn.Module):
         position = torch.arange(qkv.shape[1], device=qkv.device) - sequence_start  # [B, T], within own sequence
         inside = lag <= position[:, None, :, None]  # [B, 1, T, kernel]
         return einsum(windows * inside, self.conv.weight[:, 0, :], "b c t j, c j -> b t c")
+
+    # ------------------------------------------------------------------------------ paged (serving)
+    def _forward_paged(self, x: torch.Tensor, batch: ForwardBatch | None, pool: KDAPool | None,
+                       cache, sequence_start) -> torch.Tensor:
+        """The varlen forward over batch's S sequences: x [1, total, hidden] -> [1, total, hidden].
+
+        Decodes (one new token) of all sequences run as one [S_dec, 1] recurrent step; each prefill chunk
+        runs the chunked form on its own (a loop over sequences, never over tokens). The same ops with
+        backend="auto" as the contiguous path, so on CUDA the fused kernels run (on gathered states).
+        Kernels that could take slot ids later: latentmoe_kernels.kda's recurrent and state kernels read and
+        write one dense [B, H, d_k, d_v] state; given pool.state and state_slot they would update the rows
+        in place and drop the gather / scatter here (O(S H d_k d_v) per layer, small next to the step).
+        """
+        if batch is None or not isinstance(pool, KDAPool):
+            raise TypeError(f"batch, pool: the paged path needs a ForwardBatch and a KDAPool, got "
+                            f"{type(batch).__name__} and {type(pool).__name__}")
+        if cache is not None or sequence_start is not None:
+            raise ValueError("batch: the paged path takes no cache and no sequence_start")
+        if x.shape[:2] != (1, batch.num_tokens):
+            raise ValueError(f"x: expected shape [1, total={batch.num_tokens}, hidden], got {tuple(x.shape)}")
+        q, k, v, g, beta = self._heads(self._short_conv_paged(self._qkv(x), batch, pool), x)
+
+        slots = batch.state_slot
+        fresh = (batch.context_len == 0)[:, None, None, None]  # a new sequence starts from S = 0, whatever the slot
+        initial = pool.state.index_select(0, slots).masked_fill(fresh, 0.0)  # [S, H, d_k, d_v] fp32
+        final = torch.empty_like(initial)
+        out = v.new_empty(v.shape)
+        starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
+        decodes = [i for i, n in enumerate(lengths) if n == 1]
+        if decodes:
+            seqs = torch.tensor(decodes, device=x.device)
+            tokens = batch.query_start[seqs]  # each decode's one token
+            o, final[seqs] = kda_recurrent(*(t[0, tokens][:, None] for t in (q, k, v, g, beta)),
+                                           initial_state=initial[seqs], output_final_state=True)
+            out[0, tokens] = o[:, 0]
+        for i in (i for i, n in enumerate(lengths) if n > 1):
+            span = slice(starts[i], starts[i + 1])
+            o, state = kda_chunked(*(t[:, span] for t in (q, k, v, g, beta)), initial_state=initial[i:i + 1],
+                                   output_final_state=True, chunk_size=self.chunk_size)
+            out[:, span], final[i] = o, state[0]
+        pool.state.index_copy_(0, slots, final.detach())
+        return self._output(out, x)
+
+    def _short_conv_paged(self, qkv: torch.Tensor, batch: ForwardBatch, pool: KDAPool) -> torch.Tensor:
+        """The causal conv of `_short_conv` over packed qkv [1, total, channels], per sequence; tails via pool.conv.
+
+        Each sequence's kernel-1 tail (zero when context_len is 0) is laid out before its new tokens in one
+        buffer [total + S * (kernel-1), channels]; every token's window then lies inside its own sequence.
+        The last kernel-1 rows of each sequence's stretch become its new tail.
+        """
+        history = self.conv_kernel - 1
+        seqs, total = batch.num_seqs, batch.num_tokens
+        device = qkv.device
+        seq_ids = torch.arange(seqs, device=device)
+        owner = torch.repeat_interleave(seq_ids, batch.query_len)
+        token_at = torch.arange(total, device=device) + history * (owner + 1)  # row of each new token
+        steps = torch.arange(history, device=device)
+        tail_at = (batch.query_start[:-1] + history * seq_ids)[:, None] + steps  # [S, kernel-1]
+        tails = pool.conv.index_select(0, batch.state_slot).to(qkv.dtype)  # [S, channels, kernel-1]
+        tails = tails.masked_fill((batch.context_len == 0)[:, None, None], 0.0)
+
+        rows = qkv.new_zeros(total + seqs * history, self.conv_channels)
+        rows[token_at] = qkv[0]
+        rows[tail_at.flatten()] = rearrange(tails, "s c j -> (s j) c")
+        # Tap j meets the input history - j tokens back; products summed in fp32 (as a conv kernel accumulates).
+        weight = self.conv.weight[:, 0, :].float()  # [channels, kernel]
+        out = sum(rows[token_at - history + j].float() * weight[:, j] for j in range(self.conv_kernel))
+
+        new_tail_at = (batch.query_start[1:] + history * (seq_ids + 1) - history)[:, None] + steps
+        new_tails = rearrange(rows[new_tail_at], "s j c -> s c j")
+        pool.conv.index_copy_(0, batch.state_slot, new_tails.detach().to(pool.conv.dtype))
+        return out.to(qkv.dtype)[None]

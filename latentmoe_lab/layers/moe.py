@@ -1,4 +1,4 @@
-"""Stable LatentMoE layer (DESIGN.md section 1.2).
+"""Stable LatentMoE layer (docs/design.md §1.2).
 
     s, I, w = route(x)                          fp32 sigmoid router on the full-width x, bias for selection
     z       = W_down x                          tokens travel to experts in the latent size l < d
@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.profiler import record_function
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.ops.balancing import bias_update, router_z_loss, sequence_aux_loss
 from latentmoe_lab.ops.routing import (combine, grouped_matmul, permute, plan_dispatch, route_topk,
-                                       route_topk_reference, row_tiles)
+                                       route_topk_reference, row_tiles, swiglu)
 
 
 class Dispatcher(Protocol):
@@ -50,20 +51,21 @@ class LocalDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
+    @record_function("moe.dispatch")
     def dispatch(self, z: torch.Tensor, indices: torch.Tensor):
         plan = plan_dispatch(indices, self.num_experts)
         return permute(z, plan), plan.counts, (plan, z.shape[0])
 
+    @record_function("moe.combine")
     def combine(self, y_perm: torch.Tensor, weights: torch.Tensor, ctx) -> torch.Tensor:
         plan, num_tokens = ctx
         return combine(y_perm, weights, plan, num_tokens)
 
 
 def _glu(gate_up: torch.Tensor, clamp: float | None) -> torch.Tensor:
-    """[..., 2*inter] (gate | up) -> silu(gate) * up, optionally clamped to [-clamp, clamp]."""
+    """[..., 2*inter] (gate | up) -> silu(gate) * up, with the optional clamp of `ops.routing.swiglu`."""
     gate, up = gate_up.chunk(2, dim=-1)
-    product = F.silu(gate) * up
-    return product if clamp is None else product.clamp(-clamp, clamp)
+    return swiglu(gate, up, clamp)
 
 
 class LatentExperts(nn.Module):
@@ -79,6 +81,7 @@ class LatentExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, latent_size, 2 * intermediate_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
 
+    @record_function("moe.experts")
     def forward(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """z_perm [M, latent] expert-major, counts [E] rows per expert -> [M, latent].
 
@@ -128,8 +131,8 @@ class LatentMoE(nn.Module):
         self.latent_norm = RMSNorm(moe.latent_size, eps=config.rms_norm_eps)
         self.up = nn.Linear(moe.latent_size, config.hidden_size, bias=False)
         # n shared experts of width inter sum to one SwiGLU of width n * inter.
-        self.shared = (SwiGLU(config.hidden_size, moe.num_shared_experts * moe.expert_intermediate_size)
-                       if moe.num_shared_experts else None)
+        self.shared = (SwiGLU(config.hidden_size, moe.num_shared_experts * moe.expert_intermediate_size,
+                              moe.activation_clamp) if moe.num_shared_experts else None)
         self.dispatcher: Dispatcher = LocalDispatcher(moe.num_experts)
         self.last_expert_counts = torch.zeros(moe.num_experts, dtype=torch.int64)
         self.last_aux_loss = self.last_z_loss = torch.zeros(())
@@ -151,6 +154,7 @@ class LatentMoE(nn.Module):
         return self
 
     # ------------------------------------------------------------------ steps
+    @record_function("moe.route")
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> fp32 logits [N, E], whatever the storage dtype."""
         return F.linear(x.float(), self.router.weight.float())
@@ -159,6 +163,7 @@ class LatentMoE(nn.Module):
         """x [N, hidden] -> (weights [N, K] fp32, indices [N, K] int64)."""
         return self.select_experts(self.router_logits(x))
 
+    @record_function("moe.route")
     def select_experts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 logits [N, E] -> (weights [N, K] fp32, indices [N, K] int64); the bias picks, never weighs."""
         return route_topk(logits, self.top_k, bias=self.correction_bias, n_group=self.n_group,
@@ -183,10 +188,12 @@ class LatentMoE(nn.Module):
         """Latent RMSNorm on the complete fp32 expert sum [N, latent], up-projection, shared experts."""
         out = self.up(self.latent_norm(mixed).to(x_nd.dtype))
         if self.shared is not None:
-            out = out + self.shared(x_nd)
+            with record_function("moe.shared"):
+                out = out + self.shared(x_nd)
         return rearrange(out, "(b t) d -> b t d", b=batch)
 
     # --------------------------------------------------------------- forward
+    @record_function("moe")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x_nd = rearrange(x, "b t d -> (b t) d")

@@ -1,4 +1,4 @@
-"""ViT-style vision tower (DESIGN 1.5): patches -> ViT blocks with 2D rotary positions -> 2x2 merger -> projector.
+"""ViT-style vision tower (docs/design.md §1.5): patches -> ViT blocks (2D rotary) -> 2x2 merger -> projector.
 
 Input layout (what `latentmoe_lab.multimodal` emits; every image of a batch in one tensor):
     pixel_values [N, C * p * p]   every patch of every image, flattened as (channel, row, col),
@@ -161,6 +161,9 @@ class VisionTower(nn.Module):
         if image_grids.dim() != 2 or image_grids.shape[1] != 2 or image_grids.shape[0] < 1:
             raise ValueError(f"image_grids: expected shape [I >= 1, 2], got {tuple(image_grids.shape)}")
         m = self.merge_size
+        if bool((image_grids > pixel_values.shape[0]).any()):  # bounded first: rows * cols must not wrap int64
+            raise ValueError(f"image_grids: a side of {int(image_grids.max())} patches exceeds the "
+                             f"{pixel_values.shape[0]} patches of pixel_values")
         if bool((image_grids < m).any()) or bool((image_grids % m != 0).any()):
             raise ValueError(f"image_grids: rows and cols must be positive multiples of merge_size={m}, "
                              f"got {image_grids.tolist()}")

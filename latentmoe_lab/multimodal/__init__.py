@@ -1,4 +1,4 @@
-"""Native multimodal token mixing (DESIGN 1.5): images + text -> one sequence, and what that changes.
+"""Native multimodal token mixing (docs/design.md §1.5): images + text -> one sequence, and what that changes.
 
     processor      ImageTextProcessor: "<image>" markers + images -> input_ids, pixel_values, image_grids
     images         load / check / resize / patchify one image

@@ -3,7 +3,7 @@
 At full scale (k3-2.8t, patch 14, 2x2 merge) an H x W image becomes (H/14)(W/14)/4 tokens plus the
 start and end tokens (sides rounded to multiples of 28). Each token then costs what a text token
 costs: per Gated DSA layer the cache keeps (kv_lora + rope) latent values and one index key
-(DESIGN 1.6); the KDA layers' state does not grow with the sequence. Before that, the vision tower
+(docs/design.md §1.6); the KDA layers' state does not grow with the sequence. Before that, the vision tower
 runs on the un-merged patches: 4x more positions than the text model sees, with attention quadratic
 in them inside the image.
 """

@@ -7,9 +7,19 @@
       -> patches [(H/p) (W/p), C p p] in merge-window order (see layers/vision.py)
 
 An image is m x m merged windows of p x p patches, so it becomes (H/p)(W/p)/m^2 tokens of the text sequence.
+
+Large files are handled before they cost memory: the pixel count is read from the header and checked
+against `max_pixels` before anything is decoded (a 445 KB PNG of 12000 x 12000 pixels took 3.9 GB as
+float), and an image far larger than `max_side` is shrunk while still 8-bit in PIL (JPEG draft decoding
+at 1/2 .. 1/8 scale, then an integer box `reduce`) to no less than twice max_side, so only that smaller
+image becomes float; the exact resize to whole merge windows stays the antialiased one in `patchify`.
+PIL's own errors (not an image, truncated file) become ValueErrors naming the image.
 """
 from __future__ import annotations
 
+import math
+import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,19 +27,26 @@ import torch.nn.functional as F
 from einops import rearrange
 
 
-def to_image_tensor(image, in_channels: int, name: str = "image") -> torch.Tensor:
+MAX_PIXELS = 50_000_000  # above a 48 MP photo; a 12000 x 12000 image (144 MP) is refused
+
+
+def to_image_tensor(image, in_channels: int, name: str = "image", max_pixels: int = MAX_PIXELS,
+                    max_side: int | None = None) -> torch.Tensor:
     """A PIL image, an image file path, or a tensor [C, H, W] (uint8, or float in [0, 1]) -> float [C, H, W].
 
-    `name` is used in error messages, e.g. "images[1]".
+    `name` is used in error messages, e.g. "images[1]". Images of more than max_pixels pixels are refused
+    (files before decoding). With max_side, a PIL image or file whose longer side exceeds 2 * max_side is
+    shrunk in PIL first, to a longer side of at least 2 * max_side.
     """
     if isinstance(image, (str, Path)):
-        image = _open_image(image, name)
-    if _is_pil_image(image):
-        image = _pil_to_tensor(image, in_channels)
+        image = _file_to_tensor(image, in_channels, name, max_pixels, max_side)
+    elif _is_pil_image(image):
+        image = _pil_to_tensor(image, in_channels, name, max_pixels, max_side)
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"{name}: expected a PIL image, a file path or a tensor [C, H, W], got {type(image).__name__}")
     if image.dim() != 3:
         raise ValueError(f"{name}: expected 3 dims [C, H, W], got shape {tuple(image.shape)}")
+    _check_pixels(image.shape[2], image.shape[1], max_pixels, name)
     if image.shape[0] != in_channels:
         raise ValueError(f"{name}: expected {in_channels} channels first [C={in_channels}, H, W], "
                          f"got shape {tuple(image.shape)}")
@@ -97,25 +114,56 @@ def _is_pil_image(value) -> bool:
     return isinstance(value, Image.Image)
 
 
-def _open_image(path: str | Path, name: str):
+def _check_pixels(width: int, height: int, max_pixels: int, name: str) -> None:
+    if width * height > max_pixels:
+        raise ValueError(f"{name}: {width}x{height} = {width * height / 1e6:.1f}M pixels is more than "
+                         f"max_pixels = {max_pixels / 1e6:.1f}M; scale it down first")
+
+
+def _pil_errors():
+    from PIL import Image
+
+    return OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombError
+
+
+def _file_to_tensor(path: str | Path, in_channels: int, name: str, max_pixels: int,
+                    max_side: int | None) -> torch.Tensor:
     try:
         from PIL import Image
     except ImportError:
         raise TypeError(f"{name}: opening an image file needs Pillow (pip install pillow)") from None
     if not Path(path).is_file():
         raise ValueError(f"{name}: no image file at {str(path)!r}")
-    with Image.open(path) as opened:
-        opened.load()
-        return opened.copy()
+    try:
+        with warnings.catch_warnings():  # PIL's bomb warning: max_pixels below decides, with a clearer message
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(path)  # reads the header only: size and format, no pixels yet
+    except _pil_errors() as error:
+        raise ValueError(f"{name}: {str(path)!r} is not a readable image ({error})") from None
+    with opened:
+        _check_pixels(*opened.size, max_pixels, name)
+        keep = None if max_side is None else 2 * max_side
+        if keep is not None and max(opened.size) > keep:  # a JPEG decodes straight at 1/2, 1/4 or 1/8 scale
+            factor = max(opened.size) / keep
+            opened.draft({1: "L", 3: "RGB"}.get(in_channels),
+                         (math.ceil(opened.size[0] / factor), math.ceil(opened.size[1] / factor)))
+        return _pil_to_tensor(opened, in_channels, name, max_pixels, max_side)
 
 
-def _pil_to_tensor(image, in_channels: int) -> torch.Tensor:
-    """PIL image -> uint8 [C, H, W]; converted to RGB (3 channels) or L (1 channel) first."""
+def _pil_to_tensor(image, in_channels: int, name: str, max_pixels: int, max_side: int | None) -> torch.Tensor:
+    """PIL image (possibly not decoded yet) -> uint8 [C, H, W]; converted to RGB (3 channels) or L (1 channel),
+    after the pixel-count check and, with max_side, box-reduced while still 8-bit (never below 2 * max_side)."""
     modes = {1: "L", 3: "RGB"}
     if in_channels not in modes:
         raise ValueError(f"in_channels: PIL images can become 1 or 3 channels, the vision tower wants {in_channels}")
-    image = image.convert(modes[in_channels])
+    _check_pixels(*image.size, max_pixels, name)
+    keep = None if max_side is None else 2 * max_side  # smallest longer side worth keeping
+    try:
+        image = image.convert(modes[in_channels])  # decodes a file opened lazily; a new image either way
+        if keep is not None and max(image.size) >= 2 * keep:
+            image = image.reduce(max(image.size) // keep)
+    except _pil_errors() as error:
+        raise ValueError(f"{name}: the image could not be decoded ({error})") from None
     width, height = image.size
     data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     return rearrange(data, "(h w c) -> c h w", h=height, w=width, c=in_channels)
-

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from latentmoe_lab.config import ModelConfig
-from latentmoe_lab.multimodal.images import patchify, to_image_tensor
+from latentmoe_lab.multimodal.images import MAX_PIXELS, patchify, to_image_tensor
 from latentmoe_lab.tokenizer import PAD_TOKEN_ID, SPECIAL_TOKENS, ByteTokenizer
 
 IMAGE_MARKER = "<image>"
@@ -55,14 +55,18 @@ class MultimodalBatch:
                                move(self.image_grids), list(self.images_per_sample), move(self.cu_seqlens))
 
     def model_inputs(self) -> dict:
-        """Keyword arguments for `model(...)` and `model.generate(...)` (cu_seqlens only when packed).
+        """Keyword arguments for `model(...)` and `model.generate(...)`: attention_mask always (cu_seqlens
+        instead when packed).
 
-        generate continues every row after its last position: give it one prompt, or prompts of equal
-        length (right padding would put <pad> tokens between a shorter prompt and its answer).
+        The forward takes the right-padded rows as they are (a pad after a row changes none of its logits);
+        generate runs each padded row alone and returns the rows left-padded, so out[:, T:] are the new
+        tokens of every prompt (model.py, padded.py).
         """
         inputs = {"input_ids": self.input_ids, "pixel_values": self.pixel_values, "image_grids": self.image_grids}
         if self.cu_seqlens is not None:
             inputs["cu_seqlens"] = self.cu_seqlens
+        else:
+            inputs["attention_mask"] = self.attention_mask
         return inputs
 
 
@@ -72,10 +76,11 @@ class ImageTextProcessor:
     text: a string or a list of strings (one per sample). images: for one string, an image or a list of
     images; for a list of strings, a list holding one list of images per string. An image is a PIL image,
     a file path, or a tensor [C, H, W] (uint8, or float in [0, 1]); sizes may differ. Images larger than
-    `max_side` pixels on their longer side are scaled down first (the tower's attention is quadratic).
+    `max_side` pixels on their longer side are scaled down first (the tower's attention is quadratic);
+    images of more than `max_pixels` pixels are refused before they are decoded (images.py).
     """
 
-    def __init__(self, config: ModelConfig, max_side: int | None = 1024):
+    def __init__(self, config: ModelConfig, max_side: int | None = 1024, max_pixels: int = MAX_PIXELS):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         if config.vision is None:
@@ -85,8 +90,11 @@ class ImageTextProcessor:
                              f"got {config.vocab_size}")
         if max_side is not None and max_side < config.vision.patch_size:
             raise ValueError(f"max_side: must be None or >= patch_size ({config.vision.patch_size}), got {max_side}")
+        if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+            raise ValueError(f"max_pixels: must be a positive integer, got {max_pixels!r}")
         self.vision = config.vision
         self.max_side = max_side
+        self.max_pixels = max_pixels
         self.tokenizer = ByteTokenizer(config.vocab_size)
         self.pad_token_id = PAD_TOKEN_ID
 
@@ -117,7 +125,7 @@ class ImageTextProcessor:
 
     def image_patches(self, image, name: str = "image") -> tuple[torch.Tensor, tuple[int, int]]:
         """One image -> (patches [rows*cols, C*p*p], (rows, cols))."""
-        tensor = to_image_tensor(image, self.vision.in_channels, name)
+        tensor = to_image_tensor(image, self.vision.in_channels, name, self.max_pixels, self.max_side)
         return patchify(tensor, self.vision.patch_size, self.vision.merge_size, self.max_side, name)
 
     def image_span(self, grid: tuple[int, int]) -> list[int]:

@@ -1,6 +1,6 @@
 """Which experts do image tokens and text tokens pick? Per-layer expert load split by modality.
 
-Image and text tokens share every MoE layer (DESIGN 1.5), so a serving engineer wants to know whether
+Image and text tokens share every MoE layer (docs/design.md §1.5), so a serving engineer wants to know whether
 they also share experts: if image tokens concentrate on a few experts, an image-heavy batch overloads
 those experts' devices. A forward hook on every LatentMoE re-runs its (deterministic) router on the
 layer's input and keeps the top-k expert indices of each token; the token's modality comes from

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference ops, each readable next to its math in DESIGN.md."""
+"""Pure-PyTorch reference ops, each readable next to its math in docs/design.md."""
 from latentmoe_lab.ops.backend import resolve_backend
 from latentmoe_lab.ops.balancing import (RoutingStats, bias_update, expert_counts, load_stats, router_z_loss,
                                          routing_stats, sequence_aux_loss, sequence_aux_loss_reference)

@@ -1,4 +1,4 @@
-"""Load balancing for the sigmoid router (DESIGN.md section 1.2) and per-step routing statistics.
+"""Load balancing for the sigmoid router (docs/design.md §1.2) and per-step routing statistics.
 
 Shape legend: B sequences, T tokens per sequence, N = B * T tokens, E experts, K experts per token.
 

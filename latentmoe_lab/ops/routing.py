@@ -1,4 +1,4 @@
-"""Top-k routing, expert-major permutation and grouped matmul (DESIGN.md section 1.2).
+"""Top-k routing, expert-major permutation and grouped matmul (docs/design.md §1.2).
 
 Shape legend: N tokens, E experts, K experts per token, D feature width,
 M = N * K permuted rows (one per (token, selected expert) pair).
@@ -284,12 +284,24 @@ def _grouped_matmul_padded(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tens
     return torch.bmm(padded, w)[expert_of_row, slot_of_row]
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with a bound c, act(min(gate, c)) * clamp(up, -c, c) (docs/design.md §1.2).
+
+    The bound acts on both inputs of the product, not on the product: a large up can no longer
+    multiply a large gate, and the gate keeps its smooth negative side. Shared and routed experts use it.
+    """
+    if clamp is not None:
+        gate = gate.clamp(max=clamp)
+        up = up.clamp(-clamp, clamp)
+    return F.silu(gate) * up
+
+
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor, clamp: float | None = None,
                    backend: str = "auto") -> torch.Tensor:
     """The experts' first GEMM and activation: silu(x_e @ gate_e) * (x_e @ up_e) -> [M, F] in x's dtype.
 
     x: [M, D] expert-major rows; w13: [E, D, 2F] (gate | up columns); offsets: [E] end offsets.
-    clamp: optional bound c, the product is clamped to [-c, c]. backend "triton" fuses the
+    clamp: optional bound c, as in `swiglu`: min(gate, c), clamp(up, -c, c). backend "triton" fuses the
     activation into the grouped GEMM, so the [M, 2F] pre-activation is never stored.
     """
     _check_grouped_args(x, w13, offsets)
@@ -301,8 +313,7 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor, cl
         from latentmoe_kernels.grouped_gemm import grouped_swiglu as grouped_swiglu_triton
         return grouped_swiglu_triton(x, w13, offsets, clamp)
     gate, up = grouped_matmul(x, w13, offsets).chunk(2, dim=-1)
-    hidden = F.silu(gate) * up
-    return hidden if clamp is None else hidden.clamp(-clamp, clamp)
+    return swiglu(gate, up, clamp)
 
 
 def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention reference ops (DESIGN 1.4): lightning-indexer scores, causal top-k, sparse attention.
+"""DeepSeek Sparse Attention reference ops (docs/design.md §1.4): indexer scores, causal top-k, sparse attention.
 
     I[t, s]  = sum_j w[t, j] * ReLU(q_idx[t, j] . k_idx[s])       index_scores
     S_t      = TopK_{s <= t + offset} I[t, s]   (-1 pads)          select_topk

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 from torch import nn
+from torch.profiler import record_function
 
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.parallel.comm import Comm, PendingTensor
@@ -102,6 +103,7 @@ class AllToAllDispatcher:
         self.local_experts = num_experts // self.ep
         self.stats = LoadStats(self.ep, self.local_experts)
 
+    @record_function("moe.dispatch")
     def dispatch_async(self, z: torch.Tensor, indices: torch.Tensor,
                        weights: torch.Tensor | None = None) -> PendingDispatch:
         """z [N, l], indices [N, K] global expert ids, weights [N, K] (optional, ships with the tokens)."""
@@ -131,6 +133,7 @@ class AllToAllDispatcher:
     def dispatch(self, z: torch.Tensor, indices: torch.Tensor):
         return self.dispatch_async(z, indices).wait()
 
+    @record_function("moe.combine")
     def combine(self, y_perm: torch.Tensor, weights: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         """y_perm [P, l] in pair order -> the complete weighted expert sum [N, l] fp32 of each local token."""
         if ctx.recv_weights is None:  # protocol path: the weights were not sent with the tokens
@@ -163,6 +166,7 @@ class ParallelMoE(nn.Module):
         self.layer, self.dispatcher, self.comm, self.layout, self.overlap = layer, dispatcher, comm, layout, overlap
         layer.dispatcher = dispatcher
 
+    @record_function("moe")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sequence_parallel = self.layout.sequence_parallel
         if sequence_parallel:
@@ -179,7 +183,8 @@ class ParallelMoE(nn.Module):
         x_nd = rearrange(x, "b t d -> (b t) d")
         weights, indices = layer.route(x_nd)
         pending = self.dispatcher.dispatch_async(layer.down(x_nd), indices, weights)
-        shared = None if layer.shared is None else layer.shared(x_nd)  # runs while the tokens travel
+        with record_function("moe.shared"):
+            shared = None if layer.shared is None else layer.shared(x_nd)  # runs while the tokens travel
         z_perm, counts, ctx = pending.wait()
         mixed = self.dispatcher.combine(layer.experts(z_perm, counts), weights, ctx)
         layer.last_expert_counts = torch.bincount(indices.reshape(-1), minlength=layer.num_experts).detach()

@@ -1,16 +1,22 @@
 """Run a function as N local processes through accelerate's `notebook_launcher`, and fail loudly.
 
+Inside a Jupyter kernel the workers are spawned, not forked (see `launch`'s start_method).
+
     results = launch(fn, nproc=4, args=(...))      # fn(*args) on ranks 0..3; returns [result_0, ...]
 
 Works the same from a notebook, a script, the CLI and the tests. Each worker:
   - joins the process group itself (`init_distributed`: PartialState(cpu=True) on CPU, NCCL on GPUs,
     a timeout on the default group; `ProcessMesh` gives every subgroup the same timeout);
-  - writes a "started" marker, then its pickled result or its error, into a private run folder;
+  - writes a "started" marker, then its result (torch.save) or its error, into a private run folder;
+    results are read back with `torch.load(weights_only=True)`: tensors, numbers, strings, None and
+    lists / tuples / dicts of them, never arbitrary pickled objects;
   - arms a watchdog (`faulthandler.dump_traceback_later`): a rank stuck outside any collective
     still exits after `timeout_s`, printing where it was.
-When any rank fails, the elastic agent behind notebook_launcher stops the others, and `launch`
-raises `RankFailure` naming the rank(s) that died or raised first (a rank that only saw a peer
-vanish is reported as collateral), so no process is left behind and nothing hangs.
+The rendezvous store the ranks meet at listens on 127.0.0.1 only (a local run needs no other
+interface, and the store accepts any client that reaches it). When any rank fails, the elastic
+agent behind notebook_launcher stops the others, and `launch` raises `RankFailure` naming the
+rank(s) that died or raised first (a rank that only saw a peer vanish is reported as collateral),
+so no process is left behind and nothing hangs.
 
 On GPUs use the same worker under `torchrun --nproc-per-node N` or `accelerate launch`
 (see README "Parallel layouts"); `launch` is the local-process convenience.
@@ -19,14 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import functools
 import io
 import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,17 +49,57 @@ class RankFailure(RuntimeError):
     """A launched rank died or raised; the message names it."""
 
 
+class UnsafeResult(TypeError):
+    """A rank returned something `torch.load(weights_only=True)` refuses (an arbitrary pickled object)."""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _rank_entry(fn, run_dir: Path, timeout_s: float, threads: int):
-    """What each forked worker runs: fn(*args) with markers, a watchdog and a clean exit."""
+@contextlib.contextmanager
+def loopback_store(timeout_s: float):
+    """A TCPStore server listening on 127.0.0.1 only; yields its port.
 
-    @functools.wraps(fn)  # the elastic agent names the run after the entry point
-    def entry(*args):
+    The elastic agent's static rendezvous would start its own server on all interfaces. Started
+    first with multi_tenant=True, this one is the server it finds and reuses for that port.
+    """
+    from datetime import timedelta
+
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=timeout_s), multi_tenant=True,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the listening socket now, and closes it when it stops
+    try:
+        yield port
+    finally:
+        del store
+
+
+class _RankEntry:
+    """What each worker runs: fn(*args) with markers, a watchdog and a clean exit.
+
+    A module-level class rather than a closure, so that spawned workers can unpickle it (fn must then
+    be importable too: a function of a module, not one defined in a notebook cell).
+    """
+
+    def __init__(self, fn, run_dir: Path, timeout_s: float, threads: int):
+        self.fn, self.run_dir, self.timeout_s, self.threads = fn, run_dir, timeout_s, threads
+        # The elastic agent names the run after the entry point.
+        self.__name__ = getattr(fn, "__name__", "worker")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args):
+        run_dir, timeout_s = self.run_dir, self.timeout_s
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         (run_dir / f"{rank}.started").write_text(str(os.getpid()))
         faulthandler.dump_traceback_later(timeout_s, exit=True, file=2)  # fd 2: sys.stderr may be captured
@@ -59,9 +107,9 @@ def _rank_entry(fn, run_dir: Path, timeout_s: float, threads: int):
         # rank leaves a blocking C++ wait, so let the signal terminate the process at once.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _wait_for_siblings(run_dir, world, timeout_s)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(self.threads)
         try:
-            result = fn(*args)
+            result = self.fn(*args)
             torch.save(result, run_dir / f"{rank}.result")
             if dist.is_initialized():
                 dist.barrier()  # nobody leaves while a peer may still need it
@@ -73,7 +121,28 @@ def _rank_entry(fn, run_dir: Path, timeout_s: float, threads: int):
         finally:
             faulthandler.cancel_dump_traceback_later()
 
-    return entry
+
+def inside_kernel() -> bool:
+    """True inside a Jupyter (ipykernel) kernel, whose ZMQ and heartbeat threads make fork unsafe."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def _start(entry: _RankEntry, args: tuple, nproc: int, port: int, start_method: str) -> None:
+    """Start nproc workers and wait for them. fork: accelerate's notebook_launcher. spawn: torch's elastic
+    launcher, which notebook_launcher wraps, with the start method it hard-codes to fork on CPUs."""
+    if start_method == "fork":
+        from accelerate import notebook_launcher
+
+        notebook_launcher(entry, args, num_processes=nproc, use_port=str(port), master_addr="127.0.0.1")
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id="none", rdzv_backend="static",
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0}, max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    elastic_launch(config=config, entrypoint=entry)(*args)
 
 
 def _wait_for_siblings(run_dir: Path, world: int, timeout_s: float) -> None:
@@ -91,36 +160,49 @@ def _wait_for_siblings(run_dir: Path, world: int, timeout_s: float) -> None:
         time.sleep(0.005)
 
 
-def launch(fn, nproc: int, args: tuple = (), timeout_s: float = 120.0) -> list:
+def launch(fn, nproc: int, args: tuple = (), timeout_s: float = 120.0, start_method: str | None = None) -> list:
     """fn(*args) on `nproc` local processes (ranks 0..nproc-1) -> the list of their return values.
 
     fn must join the process group itself (see `init_distributed`). Raises RankFailure naming the
     failed rank(s) when any rank dies, raises or exceeds `timeout_s`.
+    start_method: "fork" or "spawn"; None picks spawn inside a Jupyter kernel (a forked copy of a
+    kernel's threads once hung a notebook) and fork elsewhere (faster: nothing is re-imported).
     """
-    from accelerate import notebook_launcher
-
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise ValueError(f"nproc: launch needs an integer >= 2 processes, got {nproc!r}")
+    if start_method is None:
+        start_method = "spawn" if inside_kernel() else "fork"
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method: must be 'fork', 'spawn' or None, got {start_method!r}")
     run_dir = Path(tempfile.mkdtemp(prefix="latentmoe-launch-"))
     threads = max(1, (os.cpu_count() or 1) // nproc)
     elastic_log = logging.getLogger("torch.distributed.elastic")
     level = elastic_log.level
     try:
         elastic_log.setLevel(logging.CRITICAL)  # the agent's own failure dump; RankFailure says it better
-        with _patched_env(OMP_NUM_THREADS=str(threads)), contextlib.redirect_stdout(io.StringIO()):
-            notebook_launcher(_rank_entry(fn, run_dir, timeout_s, threads), args, num_processes=nproc,
-                              use_port=str(free_port()))
+        with (_patched_env(OMP_NUM_THREADS=str(threads)), contextlib.redirect_stdout(io.StringIO()),
+              _kept_signal_handlers(), loopback_store(timeout_s) as port):
+            _start(_RankEntry(fn, run_dir, timeout_s, threads), args, nproc, port, start_method)
         missing = [r for r in range(nproc) if not (run_dir / f"{r}.result").exists()]
         if missing:
             raise RankFailure(_failure_report(run_dir, nproc))
-        return [torch.load(run_dir / f"{r}.result", weights_only=False) for r in range(nproc)]
-    except RankFailure:
+        return [_load_result(run_dir, r) for r in range(nproc)]
+    except (RankFailure, UnsafeResult):
         raise
     except Exception as error:  # noqa: BLE001 - the elastic agent's ChildFailedError and friends
         raise RankFailure(_failure_report(run_dir, nproc)) from error
     finally:
         elastic_log.setLevel(level)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _load_result(run_dir: Path, rank: int):
+    try:
+        return torch.load(run_dir / f"{rank}.result", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UnsafeResult(f"launch: rank {rank} returned a value that is not safe to load (weights_only=True "
+                        f"allows tensors, numbers, strings, None and lists / tuples / dicts of them): "
+                        f"{str(error).splitlines()[0]}") from None
 
 
 def _failure_report(run_dir: Path, nproc: int) -> str:
@@ -140,6 +222,25 @@ def _failure_report(run_dir: Path, nproc: int) -> str:
     if not lines:
         lines = ["the launcher failed before any rank started"]
     return "parallel run failed: " + "; ".join(lines)
+
+
+@contextlib.contextmanager
+def _kept_signal_handlers():
+    """Restore the caller's SIGTERM / SIGINT / SIGHUP / SIGQUIT handlers after the launch.
+
+    The elastic agent installs its own for the run and leaves them: a notebook kernel's "interrupt"
+    would then raise the agent's SignalException instead of KeyboardInterrupt, and a kernel shutdown
+    would print its traceback.
+    """
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

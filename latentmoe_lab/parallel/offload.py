@@ -9,10 +9,17 @@ the `hot` most used experts stay resident, every other expert lives in its own f
 is read into an `ExpertCache` (LRU or LFU, fixed capacity) when a token routes to it.
 `dispatch_with_offload` then places whole blocks on "cpu" or "disk" with accelerate's
 `dispatch_model` from a device map. The logits stay exactly those of the resident model.
+
+Both write into a fresh subfolder `model-XXXXXXXX` of the folder they are given, so two models
+offloaded into one folder never read each other's files (the first used to run on the second's
+experts, silently). Each expert file is also checked on every read against the shapes, dtypes and
+CRC-32 recorded when it was written.
 """
 from __future__ import annotations
 
 import logging
+import tempfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -87,6 +94,7 @@ class OffloadedExperts(nn.Module):
     """Drop-in for LatentExperts: forward(z_perm [M, latent] expert-major, counts [E]) -> [M, latent].
 
     Hot experts are buffers here; cold ones are files `<folder>/expert_<e>.pt` read through `cache`.
+    `folder` must not hold expert files already (offload_experts gives every model its own).
     Only experts that received rows are gathered; one grouped matmul then runs over them with the
     layer's own LatentExperts code (through functional_call), so the math is unchanged.
     """
@@ -97,13 +105,18 @@ class OffloadedExperts(nn.Module):
         self.hot = sorted(set(hot))
         self.folder, self.cache = Path(folder), cache
         self.folder.mkdir(parents=True, exist_ok=True)
+        if any(self.folder.glob("expert_*.pt")):
+            raise ValueError(f"folder: {str(self.folder)!r} already holds offloaded experts; give every layer "
+                             f"of every model its own folder (offload_experts does)")
         self.register_buffer("hot_w13", experts.w13.detach()[self.hot].clone())
         self.register_buffer("hot_w2", experts.w2.detach()[self.hot].clone())
         self._hot_slot = {e: i for i, e in enumerate(self.hot)}
+        self._written: dict[int, dict] = {}  # expert -> {name: (shape, dtype, crc32)} as written
         for e in range(self.num_experts):
             if e not in self._hot_slot:
-                torch.save({"w13": experts.w13.detach()[e].clone(), "w2": experts.w2.detach()[e].clone()},
-                           self.folder / f"expert_{e}.pt")
+                tensors = {"w13": experts.w13.detach()[e].clone(), "w2": experts.w2.detach()[e].clone()}
+                torch.save(tensors, self.folder / f"expert_{e}.pt")
+                self._written[e] = {k: _fingerprint(t) for k, t in tensors.items()}
         with torch.device("meta"):  # the code path only: its weights are replaced per call
             template = LatentExperts(1, experts.w13.shape[1], experts.w2.shape[1], experts.activation_clamp)
         # not a registered submodule: its meta weights must stay out of state_dict and .to()
@@ -116,7 +129,12 @@ class OffloadedExperts(nn.Module):
             return self.hot_w13[slot], self.hot_w2[slot]
 
         def load():
-            loaded = torch.load(self.folder / f"expert_{expert}.pt", mmap=True, weights_only=True)
+            path = self.folder / f"expert_{expert}.pt"
+            loaded = torch.load(path, mmap=True, weights_only=True)
+            found = {k: _fingerprint(loaded[k]) for k in ("w13", "w2") if isinstance(loaded.get(k), torch.Tensor)}
+            if found != self._written[expert]:
+                raise ValueError(f"{path}: holds other weights than were written there (shape, dtype or "
+                                 f"checksum differ: {found} vs {self._written[expert]}); was the file replaced?")
             w13, w2 = (loaded[k].to(self.hot_w13.device, copy=True) for k in ("w13", "w2"))
             self.bytes_read += w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
             return w13, w2
@@ -136,6 +154,18 @@ class OffloadedExperts(nn.Module):
         return functional_call(self.template, {"w13": w13, "w2": w2}, (z_perm, counts[active]))
 
 
+def _fingerprint(tensor: torch.Tensor) -> tuple[tuple[int, ...], str, int]:
+    """(shape, dtype, CRC-32 of the bytes) of a CPU tensor."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return tuple(tensor.shape), str(tensor.dtype), zlib.crc32(data)
+
+
+def _model_folder(folder: str | Path) -> Path:
+    """A new, empty subfolder `model-XXXXXXXX` of `folder` (created with it if needed), unique to one call."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="model-", dir=folder))
+
+
 def hot_experts(counts: torch.Tensor, keep: int) -> list[int]:
     """The `keep` experts with the most routed tokens (counts [E], e.g. layer.last_expert_counts)."""
     return torch.argsort(counts, descending=True, stable=True)[:keep].tolist()
@@ -147,16 +177,17 @@ def offload_experts(model: nn.Module, folder: str | Path, hot: int, capacity: in
 
     The hot set per layer comes from one forward over `calibration` ids [B, T] (token counts per
     expert); without it, experts 0 .. hot-1. Each layer gets its own cache of `capacity` experts.
+    Files go to `<folder>/model-XXXXXXXX/layer_<i>/`, a subfolder new to this call.
     """
     if calibration is not None:
         with torch.no_grad():
             model(calibration)
-    out = {}
+    out, root = {}, _model_folder(folder)
     for i, block in enumerate(model.layers):
         if isinstance(block.ffn, LatentMoE):
             layer = block.ffn
             chosen = hot_experts(layer.last_expert_counts, hot) if calibration is not None else list(range(hot))
-            layer.experts = OffloadedExperts(layer.experts, chosen, Path(folder) / f"layer_{i}",
+            layer.experts = OffloadedExperts(layer.experts, chosen, root / f"layer_{i}",
                                              ExpertCache(capacity, policy))
             out[i] = layer.experts
     return out
@@ -164,7 +195,8 @@ def offload_experts(model: nn.Module, folder: str | Path, hot: int, capacity: in
 
 def dispatch_with_offload(model: nn.Module, device_map: dict, offload_dir: str | Path) -> nn.Module:
     """accelerate.dispatch_model: blocks mapped to "disk" keep their weights in `offload_dir` and are
-    loaded for each forward; "cpu" / device entries stay resident there.
+    loaded for each forward; "cpu" / device entries stay resident there. The weights go to a new
+    subfolder `<offload_dir>/model-XXXXXXXX`, so models offloaded to one folder keep their own.
 
     A block loads all its weights when it starts (preload): the layers read some submodule weights
     directly (router, W_kvb) rather than by calling the submodule, which per-module hooks would miss.
@@ -172,5 +204,11 @@ def dispatch_with_offload(model: nn.Module, device_map: dict, offload_dir: str |
     from accelerate import dispatch_model
 
     main = next((d for d in device_map.values() if d not in ("cpu", "disk")), "cpu")
-    return dispatch_model(model, device_map=device_map, main_device=main, offload_dir=str(offload_dir),
-                          preload_module_classes=["DecoderBlock"])
+    big_modeling_log = logging.getLogger("accelerate.big_modeling")
+    level = big_modeling_log.level
+    big_modeling_log.setLevel(logging.ERROR)  # "parameters are on the meta device": offloading them is the point
+    try:
+        return dispatch_model(model, device_map=device_map, main_device=main,
+                              offload_dir=str(_model_folder(offload_dir)), preload_module_classes=["DecoderBlock"])
+    finally:
+        big_modeling_log.setLevel(level)

@@ -37,7 +37,7 @@ def _layer_costs(config_json: str) -> tuple[int, ...]:
 
     from latentmoe_lab.model import DecoderBlock
 
-    config = ModelConfig.from_json(config_json)
+    config = ModelConfig.from_json_text(config_json)
     by_kind: dict[tuple[str, bool], int] = {}
     for i in range(config.num_layers):
         kind = (config.layer_types[i], config.is_moe_layer(i))

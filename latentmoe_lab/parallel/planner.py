@@ -79,7 +79,7 @@ def _local_block_params(config_json: str, tp: int, ep: int) -> dict[tuple[str, b
     from latentmoe_lab.layers.moe import LatentMoE
     from latentmoe_lab.parallel.tensor import local_config
 
-    config = ModelConfig.from_json(config_json)
+    config = ModelConfig.from_json_text(config_json)
     d, moe = config.hidden_size, config.moe
     local = local_config(config, tp)
     with init_empty_weights(include_buffers=True):

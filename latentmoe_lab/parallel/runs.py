@@ -12,7 +12,7 @@ planner's byte prediction (from the reference routing) next to the measured byte
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.expert import ParallelMoE, expert_range
 from latentmoe_lab.parallel.launch import launch
 from latentmoe_lab.parallel.mesh import ProcessMesh, init_distributed
+from latentmoe_lab.parallel.parity import TIE_MARGIN, first_differences, parity_line, reference_step_logits
 from latentmoe_lab.parallel.pipeline import partition_layers
 from latentmoe_lab.parallel.sharded import parallelize
 from latentmoe_lab.parallel.traffic import forward_traffic
@@ -38,6 +39,24 @@ class RunSettings:
     new_tokens: int = 3
     seed: int = 0
     timeout_s: float = 20.0
+    tie_margin: float = TIE_MARGIN  # parity.py: a greedy token may differ where the reference's margin is below
+
+    def __post_init__(self) -> None:
+        # Checked here, before any process is spawned: a bad value must not reach the workers.
+        if self.preset not in ("tiny", "small"):
+            raise ValueError(f"preset: layout checks run 'tiny' or 'small', got {self.preset!r}")
+        for name in ("batch", "seq_len", "new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed: must be an integer >= 0, got {self.seed!r}")
+        for name in ("timeout_s", "tie_margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s!r}")
 
 
 @dataclass
@@ -47,15 +66,22 @@ class LayoutReport:
     layout: str
     pconfig: ParallelConfig
     max_abs_logit_error: float
-    tokens_equal: bool
+    tokens_equal: bool  # exactly equal
     measured: list[dict[str, int]]
     planned: list[dict[str, int]]
     sent_to: list[dict[int, int]]
     ranks: list[dict] = field(default_factory=list)
+    token_differences: list[dict] = field(default_factory=list)  # parity.TokenDifference fields, per row
+    tie_margin: float = TIE_MARGIN
 
     @property
     def bytes_match(self) -> bool:
         return self.measured == self.planned
+
+    @property
+    def tokens_match(self) -> bool:
+        """Equal, or every row first differs at a near-tie of the reference (parity.py)."""
+        return all(d["is_tie"] for d in self.token_differences)
 
 
 def build_reference(settings: RunSettings) -> tuple[LatentMoEForCausalLM, torch.Tensor]:
@@ -92,6 +118,7 @@ def check_layouts_worker(layouts: list[ParallelConfig], settings: RunSettings) -
     with torch.no_grad():
         reference_logits = model(prompt).logits
     reference_tokens = model.generate(prompt, max_new_tokens=settings.new_tokens)
+    step_logits = None  # the reference's logits per generated token, computed once a layout differs
     results = []
     for pconfig in layouts:
         mesh = ProcessMesh(pconfig, device)
@@ -105,10 +132,20 @@ def check_layouts_worker(layouts: list[ParallelConfig], settings: RunSettings) -
         logits = sharded.gather_logits(local_logits, local.shape[0], local.shape[1])
         tokens = sharded.generate(prompt.to(device), settings.new_tokens)
         moe_layers = [(i, b.ffn) for i, b in zip(sharded.layer_ids, sharded.blocks) if isinstance(b.ffn, ParallelMoE)]
+        differences = []
+        if tokens.shape != reference_tokens.shape:  # one stopped at eos earlier: no margin to read
+            differences = [dict(row=0, step=min(tokens.shape[1], reference_tokens.shape[1]) - prompt.shape[1],
+                                reference_token=-1, layout_token=-1, margin=float("inf"), is_tie=False)]
+        elif not torch.equal(tokens.cpu(), reference_tokens):
+            if step_logits is None:
+                step_logits = reference_step_logits(model, reference_tokens.to(device), prompt.shape[1]).cpu()
+            differences = [asdict(d) for d in first_differences(reference_tokens, tokens.cpu(), step_logits,
+                                                                prompt.shape[1], settings.tie_margin)]
         results.append({
             "layout": pconfig.name(), "rank": mesh.rank, "coords": dict(mesh.coords),
             "max_abs_logit_error": float((logits.cpu() - reference_logits).abs().max()),
             "tokens_equal": bool(torch.equal(tokens.cpu(), reference_tokens)),
+            "token_differences": differences,
             "measured": measured, "sent_to": sent_to,
             "layers": list(sharded.layer_ids),
             "experts": list(expert_range(model.config.moe.num_experts, pconfig.ep, mesh.index("ep"))),
@@ -126,12 +163,21 @@ def run_layouts(layouts: list[ParallelConfig], settings: RunSettings = RunSettin
     if len(world) != 1:
         raise ValueError(f"layouts: all must use the same number of processes, got world sizes {sorted(world)}")
     nproc = world.pop()
-    model, _ = build_reference(settings)
-    for p in layouts:
-        p.validate_for(model.config, nproc)
-        p.validate_batch(settings.batch, settings.seq_len)
+    check_run(layouts, settings, nproc)
     per_rank = launch(check_layouts_worker, nproc, (layouts, settings), timeout_s=60.0 + 30.0 * len(layouts))
     return build_reports(layouts, settings, per_rank)
+
+
+def check_run(layouts: list[ParallelConfig], settings: RunSettings, world_size: int) -> None:
+    """Every rule a run must meet, checked in the launching process before any worker starts."""
+    config = ModelConfig.from_preset(settings.preset)
+    total = settings.seq_len + settings.new_tokens
+    if total > config.max_position_embeddings:
+        raise ValueError(f"seq_len: prompt + new tokens ({total}) exceed max_position_embeddings "
+                         f"({config.max_position_embeddings}) of the {settings.preset} preset")
+    for p in layouts:
+        p.validate_for(config, world_size)
+        p.validate_batch(settings.batch, settings.seq_len)
 
 
 def build_reports(layouts: list[ParallelConfig], settings: RunSettings,
@@ -150,7 +196,9 @@ def build_reports(layouts: list[ParallelConfig], settings: RunSettings,
             max_abs_logit_error=max(r["max_abs_logit_error"] for r in ranks),
             tokens_equal=all(r["tokens_equal"] for r in ranks),
             measured=[r["measured"] for r in ranks], planned=[dict(Counter(p)) for p in planned],
-            sent_to=[r["sent_to"] for r in ranks], ranks=ranks))
+            sent_to=[r["sent_to"] for r in ranks], ranks=ranks,
+            token_differences=max((r["token_differences"] for r in ranks), key=len),
+            tie_margin=settings.tie_margin))
     return reports
 
 
@@ -174,17 +222,17 @@ def layout_from_args(args) -> tuple[ParallelConfig, RunSettings]:
 
 
 def report_ok(report: LayoutReport) -> bool:
-    """Parity with one process (1e-5, same tokens) and bytes exactly as planned."""
-    return report.max_abs_logit_error <= 1e-5 and report.tokens_equal and report.bytes_match
+    """Parity with one process (1e-5, same tokens up to near-ties) and bytes exactly as planned."""
+    return report.max_abs_logit_error <= 1e-5 and report.tokens_match and report.bytes_match
 
 
 def default_settings(pconfig: ParallelConfig, preset: str = "tiny", batch: int | None = None,
                      seq_len: int | None = None, new_tokens: int = 3) -> RunSettings:
     """Smallest legal run for a layout: a row per batch shard and micro-batch (at least 2 rows), and
     about 40 tokens, rounded up so cp (and tp under sequence parallelism) divides the sequence."""
-    rows = batch or max(2, pconfig.data_shards) * pconfig.micro_batches
+    rows = max(2, pconfig.data_shards) * pconfig.micro_batches if batch is None else batch
     multiple = pconfig.cp * (pconfig.tp if pconfig.sequence_parallel else 1)
-    length = seq_len or -(-40 // multiple) * multiple
+    length = -(-40 // multiple) * multiple if seq_len is None else seq_len
     return RunSettings(preset=preset, batch=rows, seq_len=length, new_tokens=new_tokens)
 
 
@@ -195,8 +243,8 @@ def layout_summary(report: LayoutReport) -> str:
         measured.update(m)
         planned.update(p)
     lines = [f"layout {report.layout} on {report.pconfig.world_size} processes: max |logits - single| = "
-             f"{report.max_abs_logit_error:.2e}, generated tokens equal: {report.tokens_equal}, "
-             f"bytes per rank equal to the planner: {report.bytes_match}",
+             f"{report.max_abs_logit_error:.2e}, bytes per rank equal to the planner: {report.bytes_match}",
+             "  " + parity_line(report.token_differences, report.tie_margin),
              f"  {'collective':<16}{'measured':>12}{'planned':>12}   (prefill, all ranks)"]
     for tag in sorted(set(measured) | set(planned)):
         lines.append(f"  {tag:<16}{measured[tag]:>12}{planned[tag]:>12}")

@@ -88,7 +88,7 @@ def shard_dsa(attn: GatedDSA, config: ModelConfig, index: int, parts: int) -> Ga
 
 def shard_swiglu(ffn: SwiGLU, index: int, parts: int) -> SwiGLU:
     """SwiGLU with a 1/parts slice of the intermediate width; w2 gives a partial sum."""
-    local = SwiGLU(ffn.hidden, ffn.w1.out_features // parts)
+    local = SwiGLU(ffn.hidden, ffn.w1.out_features // parts, ffn.activation_clamp)
     rules = {"w1.weight": (ROWS,), "w3.weight": (ROWS,), "w2.weight": (COLS,)}
     return _load_slices(local, ffn, rules, index, parts)
 

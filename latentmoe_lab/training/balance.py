@@ -1,4 +1,4 @@
-"""A small CPU training run that compares three ways to balance the experts (DESIGN.md 1.2).
+"""A small CPU training run that compares three ways to balance the experts (docs/design.md §1.2).
 
     "none"  cross-entropy only
     "bias"  cross-entropy only; after every optimizer step each MoE layer runs
@@ -115,7 +115,7 @@ def train_balancing(mode: str, config: ModelConfig | None = None, steps: int = 3
                 layer.update_bias(counts)
         losses[step] = loss.detach()
         if progress is not None:
-            progress(step, float(loss), float(ratios[step].mean()))
+            progress(step, float(loss.detach()), float(ratios[step].mean()))
     return BalanceHistory(mode=mode, max_over_mean=ratios, loss=losses, final_counts=tail_counts,
                           layer_labels=[label for label, _ in layers])
 

@@ -1,4 +1,4 @@
-"""Lightning-indexer warm-up (DESIGN 1.4): teach the indexer to rank keys the way dense attention does.
+"""Lightning-indexer warm-up (docs/design.md §1.4): teach the indexer to rank keys the way dense attention does.
 
 For each query t the teacher is the dense attention mass summed over heads and L1-normalised,
 p_t = sum_h A_h[t, :] / H, and the student is q_t = softmax over the causal keys of the index

@@ -19,10 +19,13 @@ def parameter_breakdown_figure(by_component: Mapping[str, Mapping[str, int]], ti
 
 def expert_load_figure(load: Sequence[Sequence[float]], layer_labels: Sequence[str],
                        title: str = "Tokens per expert") -> go.Figure:
-    """Heatmap of load [layers, experts] (tokens routed to each expert in each MoE layer)."""
+    """Heatmap of load [layers, experts] (tokens routed to each expert in each MoE layer).
+
+    The first layer is drawn at the top, as in every layer-by-expert heatmap of viz (modality routing too).
+    """
     fig = go.Figure(go.Heatmap(z=[list(row) for row in load], y=list(layer_labels), colorscale="Viridis",
                                colorbar_title="tokens"))
-    fig.update_layout(title=title, xaxis_title="expert", yaxis_title="layer")
+    fig.update_layout(title=title, xaxis_title="expert", yaxis_title="layer", yaxis_autorange="reversed")
     return fig
 
 

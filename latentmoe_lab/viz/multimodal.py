@@ -60,8 +60,11 @@ def sequence_layout_figure(kinds: Sequence[Sequence[str]], hover: Sequence[Seque
         label = "image start / end" if name == "image_start" else name
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label,
                                  marker=dict(size=12, symbol="square", color=KIND_COLOURS[name])))
+    # A one-row strip leaves ~40 px of plot: a vertical legend of 4 kinds would be cut off, so it runs
+    # horizontally above the strip, with room for it and the title in the top margin.
     fig.update_layout(title=title, xaxis_title="position", yaxis_autorange="reversed", plot_bgcolor="white",
-                      height=160 + 40 * len(kinds))
+                      height=200 + 40 * len(kinds), margin=dict(t=110, b=60),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.05, xanchor="left", x=0))
     return fig
 
 

@@ -17,8 +17,9 @@ COUNT_PATTERNS = {
 
 def _swiglu_reference(x, w13, offsets, clamp):
     gate, up = grouped_matmul_reference(x, w13, offsets).chunk(2, dim=-1)
-    out = F.silu(gate) * up
-    return out if clamp is None else out.clamp(-clamp, clamp)
+    if clamp is not None:  # docs/design.md §1.2: the bound acts on gate and up, before the product
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    return F.silu(gate) * up
 
 
 @pytest.mark.parametrize("pattern", COUNT_PATTERNS)

@@ -1,0 +1,159 @@
+"""`latentmoe-lab align`: one candidate against the reference, tap by tap (docs/design.md §8).
+
+    latentmoe-lab align --checkpoint DIR --candidate bf16      a saved model (save_pretrained) in bf16
+    latentmoe-lab align --preset tiny --candidate ep2          a seeded random model, EP2 in 2 processes
+    latentmoe-lab align --candidate int8-w8a8 --bisect         a quantization recipe, and which layer hurts most
+    latentmoe-lab align --candidate triton                     Triton kernels (interpreter on CPU)
+
+Writes reports/align-<candidate>.html (table, first divergence, figure) and prints the summary.
+Inputs: --text FILE (held-out text, byte tokens, cut into --batch rows of --seq-len) or seeded random ids.
+Quantization recipes that calibrate (static, SmoothQuant) see seeded random ids, never the compared inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+LAYOUTS = ("ep2", "tp2", "pp2")
+ENGINES = {"engine": "auto", "fp8-kv": "fp8"}  # candidate -> the engine's memory.kv_cache_dtype
+ENGINE_CHUNK = 16  # prefill chunk of the engine candidates: a 64-token prompt runs as 4 chunks
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from latentmoe_lab.config import PRESETS
+    from latentmoe_lab.quant.recipes import RECIPES
+
+    candidates = (*_DTYPES, "triton", *LAYOUTS, *ENGINES, *RECIPES)
+    parser = subparsers.add_parser(
+        "align", help="compare a candidate (dtype, backend, parallel layout) with the reference, tap by tap",
+        description="Run the reference model and a candidate built from it on the same tokens, record every "
+                    "tap (embeddings, attention / FFN / residual per block, router logits and choices, final norm, "
+                    "logits), print the first tap past a threshold and write an HTML report.")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", metavar="DIR", default=None,
+                        help="a save_pretrained directory (default: a seeded random --preset model)")
+    source.add_argument("--preset", default="tiny", choices=[p for p in sorted(PRESETS) if p != "k3-2.8t"],
+                        help="preset of the random reference model (default: tiny)")
+    parser.add_argument("--candidate", required=True, choices=candidates, metavar="CANDIDATE",
+                        help=f"what to compare: {', '.join(candidates)}")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the random model and ids (default: 0)")
+    parser.add_argument("--text", metavar="FILE", default=None, help="held-out text for the inputs (UTF-8)")
+    parser.add_argument("--batch", type=int, default=2, help="input rows (default: 2)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per row (default: 64)")
+    parser.add_argument("--stride", type=int, default=1, help="taps keep every stride-th token (default: 1)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="taps keep at most this many tokens per row")
+    parser.add_argument("--threshold", action="append", default=[], metavar="METRIC=VALUE",
+                        help="override a threshold, e.g. rel_l2=0.1 (repeatable)")
+    parser.add_argument("--bisect", action="store_true",
+                        help="also swap single layers to find the one behind the final error (module candidates)")
+    parser.add_argument("--report", default=None, help="HTML path (default: reports/align-<candidate>.html)")
+    parser.set_defaults(func=run_align)
+    return parser
+
+
+def _thresholds(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"--threshold: expected METRIC=NUMBER, got {item!r}")
+    return out
+
+
+def _reference(args):
+    from latentmoe_lab.config import ModelConfig
+    from latentmoe_lab.model import LatentMoEForCausalLM
+
+    if args.checkpoint is not None:
+        if not Path(args.checkpoint).is_dir():
+            raise ValueError(f"--checkpoint: {args.checkpoint} is not a directory")
+        return LatentMoEForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    torch.manual_seed(args.seed)
+    return LatentMoEForCausalLM(ModelConfig.from_preset(args.preset)).eval()
+
+
+def _inputs(args, vocab_size: int) -> torch.Tensor:
+    if args.batch < 1 or args.seq_len < 1:
+        raise ValueError("--batch, --seq-len: must be >= 1")
+    need = args.batch * args.seq_len
+    if args.text is None:
+        return torch.randint(0, vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+    if not Path(args.text).is_file():
+        raise ValueError(f"--text: {args.text} is not a file")
+    data = Path(args.text).read_bytes()
+    if len(data) < need:
+        raise ValueError(f"--text: {args.text} holds {len(data)} bytes, --batch x --seq-len needs {need}")
+    return torch.tensor(list(data[:need]), dtype=torch.int64).reshape(args.batch, args.seq_len)
+
+
+def _prepare_triton() -> None:
+    """On CPU the kernels run in triton's interpreter, which must be chosen before triton is imported."""
+    if torch.cuda.is_available():
+        return
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--candidate triton: triton was imported without TRITON_INTERPRET=1; "
+                         "run `TRITON_INTERPRET=1 latentmoe-lab align --candidate triton`")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def build_candidate(name: str, reference, calibration: torch.Tensor):
+    """The candidate called `name`; calibration [B, T]: the ids a calibrating recipe may look at."""
+    from latentmoe_lab.alignment.candidates import (BackendCandidate, EngineCandidate, ParallelCandidate,
+                                                    cast_candidate, quantized_candidate)
+    from latentmoe_lab.parallel.config import ParallelConfig
+
+    if name in _DTYPES:
+        return cast_candidate(reference, _DTYPES[name])
+    if name == "triton":
+        _prepare_triton()
+        return BackendCandidate(reference, "triton")
+    if name in LAYOUTS:
+        return ParallelCandidate(reference, ParallelConfig.from_layout(name.upper()))
+    if name in ENGINES:
+        from latentmoe_lab.serving import ServiceConfig
+
+        service = ServiceConfig.from_dict({
+            "model": {"max_model_len": calibration.shape[1] + 1},
+            "memory": {"kv_cache_dtype": ENGINES[name], "cache_bytes": 32 << 20, "max_num_seqs": 1, "block_size": 16},
+            "scheduler": {"prefill_chunk_size": ENGINE_CHUNK}})
+        return EngineCandidate(reference, service, name)
+    return quantized_candidate(reference, name, batches=[calibration])
+
+
+def run_align(args: argparse.Namespace) -> int:
+    from latentmoe_lab.alignment.bisect import bisect_layers
+    from latentmoe_lab.alignment.candidates import BackendCandidate
+    from latentmoe_lab.alignment.compare import compare
+    from latentmoe_lab.alignment.taps import TokenSubset
+
+    thresholds = _thresholds(args.threshold)
+    model = _reference(args)
+    device = torch.device("cuda" if args.candidate == "triton" and torch.cuda.is_available() else "cpu")
+    model = model.to(device)
+    ids = _inputs(args, model.config.vocab_size).to(device)
+    calibration = torch.randint(0, model.config.vocab_size, tuple(ids.shape),
+                                generator=torch.Generator().manual_seed(args.seed + 1)).to(device)
+    candidate = build_candidate(args.candidate, model, calibration)
+    # the reference always runs the PyTorch ops, also on CUDA where "auto" would pick the kernels
+    report = compare(BackendCandidate(model, "torch"), candidate, ids, thresholds,
+                     TokenSubset(args.stride, args.max_tokens), name=args.candidate)
+    print(report.summary())
+    extra = []
+    if args.bisect:
+        if not isinstance(candidate, torch.nn.Module) or isinstance(candidate, BackendCandidate):
+            raise ValueError(f"--bisect: needs a candidate with its own weights (a dtype or a recipe), "
+                             f"not {args.candidate}")
+        extra.append(bisect_layers(model, candidate, ids).table())
+        print(extra[0])
+    path = report.to_html(args.report or f"reports/align-{args.candidate}.html", extra)
+    print(f"HTML report: {path}")
+    return 0

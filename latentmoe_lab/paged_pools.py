@@ -1,0 +1,218 @@
+"""Paged cache pools for serving (docs/design.md §6.2-6.3): DSA blocks shared by every DSA layer, KDA slots.
+
+One block id b holds tokens [b * block_size, (b + 1) * block_size) of one sequence in EVERY DSA layer, so a
+sequence needs one block table whatever the number of layers. A token's flat pool position is
+b * block_size + offset. Per DSA layer the pools hold
+
+    latent  [c_kv | k_rope] per token          kv_lora_rank + qk_rope_head_dim values   (through latent_format)
+    index   the lightning indexer's key          d_I values                               (through index_format)
+
+and per KDA layer, one row per slot (a running sequence owns one slot; spare slots hold prefix snapshots):
+
+    state   [num_slots, H, d_k, d_v]   fp32 always (docs/design.md §4)
+    conv    [num_slots, channels, kernel - 1]  in `dtype`: the last kernel-1 q|k|v conv inputs
+
+Token storage goes through a format, so quantized codecs plug in from outside (they live in quant/, above
+this module). A format is any object with
+
+    bytes_per_token(dim) -> int                                  bytes one token of `dim` values takes
+    allocate(num_blocks, block_size, dim, device) -> Tensor      exactly num_blocks * block_size * bytes_per_token
+    write(storage, slot_mapping [N] int64, values [N, dim])      in place, at flat positions
+    read(storage, positions [M] int64) -> [M, dim] floating      the caller casts to its compute dtype
+
+The pools are an inference cache: writes store detached values and no gradient flows through them.
+`paged_pool_bytes` counts the same bytes without allocating; the serving planner sizes from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from latentmoe_lab.config import DSA, ModelConfig
+
+
+class PlainFormat:
+    """The reference format: storage [num_blocks, block_size, dim] in `dtype`, values stored as they are."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"PlainFormat({self.dtype})"
+
+    def bytes_per_token(self, dim: int) -> int:
+        return dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, num_blocks: int, block_size: int, dim: int, device=None) -> torch.Tensor:
+        return torch.zeros(num_blocks, block_size, dim, dtype=self.dtype, device=device)
+
+    def write(self, storage: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+        storage.view(-1, storage.shape[-1]).index_copy_(0, slot_mapping, values.detach().to(self.dtype))
+
+    def read(self, storage: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return storage.view(-1, storage.shape[-1]).index_select(0, positions)
+
+
+@dataclass
+class DSAPool:
+    """One DSA layer's token storage: latent rows [c_kv | k_rope] and index-key rows, both by flat position."""
+
+    latent: torch.Tensor
+    index: torch.Tensor
+    latent_format: object
+    index_format: object
+    latent_dim: int
+    index_dim: int
+
+    def write(self, slot_mapping: torch.Tensor, latent_rope: torch.Tensor, index_keys: torch.Tensor) -> None:
+        """slot_mapping [N]; latent_rope [N, kv_lora + rope]; index_keys [N, d_I]."""
+        self.latent_format.write(self.latent, slot_mapping, latent_rope.detach())
+        self.index_format.write(self.index, slot_mapping, index_keys.detach())
+
+    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [M] flat -> (latent_rope [M, kv_lora + rope], index_keys [M, d_I])."""
+        return (self.latent_format.read(self.latent, positions), self.index_format.read(self.index, positions))
+
+
+@dataclass
+class KDAPool:
+    """One KDA layer's per-slot rows: state [num_slots, H, d_k, d_v] fp32, conv [num_slots, channels, kernel-1]."""
+
+    state: torch.Tensor
+    conv: torch.Tensor
+
+
+def _dims(config: ModelConfig) -> dict[str, int]:
+    kda, mla = config.kda, config.mla
+    return {"latent": mla.kv_lora_rank + mla.qk_rope_head_dim, "index": config.indexer.head_dim,
+            "heads": kda.num_heads, "d_k": kda.head_dim_k, "d_v": kda.head_dim_v,
+            "channels": kda.num_heads * (2 * kda.head_dim_k + kda.head_dim_v), "history": kda.conv_kernel - 1}
+
+
+def _check_arguments(config, num_blocks, block_size, num_slots, dtype, latent_format, index_format):
+    """Validate PagedPools / paged_pool_bytes arguments; return the two formats (PlainFormat(dtype) by default)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+    for name, value, minimum in (("num_blocks", num_blocks, 0), ("block_size", block_size, 1),
+                                 ("num_slots", num_slots, 0)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < minimum:
+            raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+    formats = []
+    for name, fmt in (("latent_format", latent_format), ("index_format", index_format)):
+        fmt = PlainFormat(dtype) if fmt is None else fmt
+        missing = [m for m in ("bytes_per_token", "allocate", "write", "read") if not callable(getattr(fmt, m, None))]
+        if missing:
+            raise TypeError(f"{name}: a KV format needs methods bytes_per_token, allocate, write and read; "
+                            f"{type(fmt).__name__} lacks {missing}")
+        formats.append(fmt)
+    return formats
+
+
+def paged_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
+                     dtype: torch.dtype = torch.float32, latent_format=None, index_format=None) -> dict[str, int]:
+    """Bytes PagedPools(...) with the same arguments allocates, by kind, without allocating anything.
+
+    -> {"dsa_latent", "dsa_index", "kda_state", "kda_conv"} (ints). The serving planner's numbers.
+    """
+    latent_format, index_format = _check_arguments(config, num_blocks, block_size, num_slots, dtype,
+                                                   latent_format, index_format)
+    d = _dims(config)
+    num_dsa = sum(kind == DSA for kind in config.layer_types)
+    num_kda = config.num_layers - num_dsa
+    tokens = num_blocks * block_size
+    conv_bytes = torch.empty((), dtype=dtype).element_size()
+    return {
+        "dsa_latent": num_dsa * tokens * latent_format.bytes_per_token(d["latent"]),
+        "dsa_index": num_dsa * tokens * index_format.bytes_per_token(d["index"]),
+        "kda_state": num_kda * num_slots * d["heads"] * d["d_k"] * d["d_v"] * 4,
+        "kda_conv": num_kda * num_slots * d["channels"] * d["history"] * conv_bytes,
+    }
+
+
+class PagedPools:
+    """Every layer's paged cache. pools.layer(i) -> DSAPool or KDAPool, in config.layer_types order.
+
+    num_blocks: DSA blocks of block_size tokens (shared by all DSA layers); num_slots: KDA state rows.
+    dtype: conv tails and the default PlainFormat; KDA states are fp32 whatever it is.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
+                 dtype: torch.dtype = torch.float32, device=None, latent_format=None, index_format=None):
+        self.latent_format, self.index_format = _check_arguments(config, num_blocks, block_size, num_slots, dtype,
+                                                                 latent_format, index_format)
+        self.config, self.num_blocks, self.block_size, self.num_slots = config, num_blocks, block_size, num_slots
+        self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
+        d = _dims(config)
+        self.layers: list[DSAPool | KDAPool] = []
+        for kind in config.layer_types:
+            if kind == DSA:
+                latent = self._allocate(self.latent_format, "latent_format", d["latent"])
+                index = self._allocate(self.index_format, "index_format", d["index"])
+                self.layers.append(DSAPool(latent, index, self.latent_format, self.index_format,
+                                           d["latent"], d["index"]))
+            else:
+                state = torch.zeros(num_slots, d["heads"], d["d_k"], d["d_v"], dtype=torch.float32, device=self.device)
+                conv = torch.zeros(num_slots, d["channels"], d["history"], dtype=dtype, device=self.device)
+                self.layers.append(KDAPool(state, conv))
+
+    def _allocate(self, fmt, name: str, dim: int) -> torch.Tensor:
+        storage = fmt.allocate(self.num_blocks, self.block_size, dim, self.device)
+        expected = self.num_blocks * self.block_size * fmt.bytes_per_token(dim)
+        if not isinstance(storage, torch.Tensor) or storage.numel() * storage.element_size() != expected:
+            got = storage.numel() * storage.element_size() if isinstance(storage, torch.Tensor) else type(storage)
+            raise ValueError(f"{name}: allocate() must return a tensor of num_blocks * block_size * "
+                             f"bytes_per_token({dim}) = {expected} bytes (the planner counts that), got {got}")
+        return storage
+
+    def layer(self, layer_idx: int) -> DSAPool | KDAPool:
+        return self.layers[layer_idx]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes actually allocated, by kind: dsa_latent, dsa_index, kda_state, kda_conv."""
+        totals = dict.fromkeys(("dsa_latent", "dsa_index", "kda_state", "kda_conv"), 0)
+        for pool in self.layers:
+            named = ((("dsa_latent", pool.latent), ("dsa_index", pool.index)) if isinstance(pool, DSAPool)
+                     else (("kda_state", pool.state), ("kda_conv", pool.conv)))
+            for kind, tensor in named:
+                totals[kind] += tensor.numel() * tensor.element_size()
+        return totals
+
+    # ------------------------------------------------------------------------------ KDA slots
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot src's state and conv tail into slot dst in every KDA layer (prefix snapshots, restores)."""
+        self._check_slot("src", src)
+        self._check_slot("dst", dst)
+        for pool in self.layers:
+            if isinstance(pool, KDAPool):
+                pool.state[dst].copy_(pool.state[src])
+                pool.conv[dst].copy_(pool.conv[src])
+
+    def zero_slot(self, slot: int) -> None:
+        """Reset slot's state and conv tail in every KDA layer (the forward also treats context_len 0 as zero)."""
+        self._check_slot("slot", slot)
+        for pool in self.layers:
+            if isinstance(pool, KDAPool):
+                pool.state[slot].zero_()
+                pool.conv[slot].zero_()
+
+    def _check_slot(self, name: str, slot: int) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool):
+            raise TypeError(f"{name}: expected an int slot id, got {type(slot).__name__}")
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"{name}: slot id must lie in [0, num_slots={self.num_slots}), got {slot}")
+
+    def check_compatible(self, config: ModelConfig) -> None:
+        """Raise ValueError unless these pools were shaped for a model with `config`'s layers and cache dims."""
+        if list(config.layer_types) != list(self.config.layer_types) or _dims(config) != _dims(self.config):
+            raise ValueError("pools: built for a model with different layers or cache dims than this one "
+                             f"(layer_types {list(self.config.layer_types)} vs {list(config.layer_types)})")

@@ -1,0 +1,29 @@
+"""The inference service (docs/design.md §10): the serving engine behind an OpenAI-compatible HTTP API.
+
+    settings.py     the service file: ServiceConfig (§6.1) + our `server:` section (retries, restarts, limits)
+    loading.py      a ServiceConfig -> the model it serves (preset + seed, or a checkpoint directory)
+    errors.py       APIError: an HTTP status + an OpenAI-style error body naming the field
+    protocol.py     request JSON -> checked prompt ids + SamplingParams; the chat template
+    detokenizer.py  generated ids -> text, one token at a time, equal to ByteTokenizer.decode of them all
+    stops.py        stop strings over streamed text (the held-back tail that might start a stop)
+    prom.py         Prometheus metrics on the service's own registry
+    worker.py       EngineWorker: the engine's thread; retries, restarts, requests re-queued by recompute
+    app.py          the FastAPI app: routes, API key, body limit, SSE streaming, disconnect = abort
+    soak.py         the soak run: mixed requests through the openai client, sampled, drift table, report
+    cli.py          `latentmoe-lab serve` and `latentmoe-lab soak`
+
+    from latentmoe_lab.server import build_app, EngineWorker, load_service_file, start_service
+
+The names load on first use, so `latentmoe-lab --help` and the other commands do not import FastAPI.
+"""
+from importlib import import_module
+
+_EXPORTS = {"build_app": "app", "EngineWorker": "worker", "ServerSettings": "settings",
+            "load_service_file": "settings", "start_service": "threaded"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'latentmoe_lab.server' has no attribute {name!r}")
+    return getattr(import_module(f"latentmoe_lab.server.{_EXPORTS[name]}"), name)

@@ -1,0 +1,74 @@
+"""`latentmoe-lab serve` and `latentmoe-lab soak` (docs/design.md §10)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+API_KEY_ENV = "LATENTMOE_API_KEY"
+
+
+def add_parser(subparsers) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Load the model of a service file, run the serving engine on its own thread, and serve "
+                    "/v1/completions, /v1/chat/completions (SSE streaming too), /v1/models, /health and "
+                    "/metrics (Prometheus) with FastAPI on uvicorn.")
+    serve.add_argument("--config", required=True, help="service YAML (configs/service-cpu.yaml)")
+    serve.add_argument("--checkpoint", default=None, metavar="DIR",
+                       help="a save_pretrained directory to serve instead of model.preset")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set)")
+    serve.set_defaults(func=cmd_serve)
+    add_soak_parser(subparsers)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from latentmoe_lab.server.app import build_app
+    from latentmoe_lab.server.loading import load_model, with_checkpoint
+    from latentmoe_lab.server.settings import load_service_file
+    from latentmoe_lab.server.worker import EngineWorker
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
+    config, settings = load_service_file(args.config)
+    config = with_checkpoint(config, args.checkpoint)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
+    worker = EngineWorker(config, settings, lambda: load_model(config))
+    print(f"loading {config.model.preset or config.model.checkpoint} ...", file=sys.stderr, flush=True)
+    worker.start()
+    try:
+        uvicorn.run(build_app(worker, api_key), host=args.host, port=args.port, log_level="info")
+    finally:
+        worker.stop()
+    return 0
+
+
+def add_soak_parser(subparsers) -> None:
+    soak = subparsers.add_parser(
+        "soak", help="soak a server with mixed requests: RSS slope, drift, blocks == slots == 0 after drain",
+        description="Start `latentmoe-lab serve` on 127.0.0.1 (or use --url, loopback only), send mixed requests "
+                    "through the openai client for --minutes with --concurrency threads, sample RSS, blocks, "
+                    "slots and latency, drain, check for leaks and write an HTML report.")
+    soak.add_argument("--config", required=True, help="service YAML the server is started with")
+    soak.add_argument("--minutes", type=float, required=True, help="how long to send requests")
+    soak.add_argument("--concurrency", type=int, default=8, help="client threads (default: %(default)s)")
+    soak.add_argument("--max-requests", type=int, default=100_000, help="stop after this many (default: %(default)s)")
+    soak.add_argument("--url", default=None, help="a running server (loopback) instead of starting one")
+    soak.add_argument("--warmup", type=float, default=0.25, help="share of the run left out of the slope")
+    soak.add_argument("--sample-s", type=float, default=1.0, help="seconds between samples (default: %(default)s)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: %(default)s)")
+    soak.add_argument("--report", default="reports/soak.html", help="HTML report path (default: %(default)s)")
+    soak.set_defaults(func=cmd_soak)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from latentmoe_lab.server.soak import cmd_soak as run
+
+    return run(args)

@@ -1,0 +1,83 @@
+"""Prometheus metrics of the service, on its own CollectorRegistry (docs/design.md §6.6, §10).
+
+Latencies are measured by the service from the moment a request is accepted (so they include the wait
+for the engine thread and survive a retry onto a fresh engine); monotonic clocks throughout.
+Gauges are set from Engine.stats() after every step. Counters of the engine (preemptions, prefix hits)
+restart from zero with a restarted engine, so the service adds the engine's increments.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+PREFIX = "latentmoe"
+# step_failed: engine rebuilt on the same weights; worker_died / worker_hung: weights reloaded too
+RESTART_CAUSES = ("step_failed", "worker_died", "worker_hung")
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc., read by the soak run
+        r, p = self.registry, PREFIX
+
+        def histogram(name, what):
+            return Histogram(f"{p}_{name}_seconds", what, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = histogram("time_to_first_token", "request accepted -> first generated token")
+        self.tpot = histogram("time_per_output_token", "mean decode interval of a request (2+ tokens)")
+        self.itl = histogram("inter_token_latency", "every interval between two generated tokens")
+        self.e2e = histogram("e2e_request_latency", "request accepted -> finished")
+        self.step_time = histogram("engine_step", "one Engine.step()")
+        self.running = Gauge(f"{p}_requests_running", "requests the engine is running", registry=r)
+        self.waiting = Gauge(f"{p}_requests_waiting", "requests the engine holds waiting", registry=r)
+        self.blocks_used = Gauge(f"{p}_kv_blocks_used", "paged KV blocks held by requests", registry=r)
+        self.blocks_free = Gauge(f"{p}_kv_blocks_free", "paged KV blocks not held by requests", registry=r)
+        self.slots_used = Gauge(f"{p}_kda_slots_used", "KDA state slots held by requests", registry=r)
+        self.slots_free = Gauge(f"{p}_kda_slots_free", "KDA state slots free", registry=r)
+        self.cached_blocks = Gauge(f"{p}_prefix_cached_blocks", "blocks kept by the prefix cache", registry=r)
+        self.preemptions = Counter(f"{p}_preemptions", "sequences preempted (recompute)", registry=r)
+        self.prefix_hit_tokens = Counter(f"{p}_prefix_hit_tokens", "prompt tokens served from the prefix cache",
+                                         registry=r)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter(f"{p}_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter(f"{p}_requests_finished", "finished requests by finish reason", ["reason"],
+                                registry=r)
+        self.errors = Counter(f"{p}_request_errors", "refused or failed requests by kind", ["kind"], registry=r)
+        self.retries = Counter(f"{p}_request_retries", "request re-queues after a failed engine step", registry=r)
+        self.restarts = Counter(f"{p}_engine_restarts", "engine restarts, by cause", ["cause"], registry=r)
+        for cause in RESTART_CAUSES:
+            self.restarts.labels(cause=cause)  # exported at 0 from the start
+        self._engine_counts = {"preemptions": 0, "prefix_hit_tokens": 0}
+
+    def observe_engine(self, stats: dict) -> None:
+        """Engine.stats() after a step -> gauges, and the engine's counter increments since the last call."""
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.blocks_used.set(stats["blocks_used"])
+        self.blocks_free.set(stats["num_blocks"] - stats["blocks_used"])
+        self.slots_used.set(stats["slots_used"])
+        self.slots_free.set(stats["num_slots"] - stats["slots_used"])
+        self.cached_blocks.set(stats["cached_blocks"])
+        for name, counter in (("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hit_tokens)):
+            increment = stats[name] - self._engine_counts[name]
+            if increment > 0:
+                counter.inc(increment)
+            self._engine_counts[name] = stats[name]
+
+    def engine_replaced(self) -> None:
+        """A fresh engine counts from zero again."""
+        self._engine_counts = {"preemptions": 0, "prefix_hit_tokens": 0}
+
+    def observe_finished(self, reason: str, token_times: list[float], accepted: float, finished: float) -> None:
+        self.requests.labels(reason=reason).inc()
+        self.e2e.observe(finished - accepted)
+        if token_times:
+            self.ttft.observe(token_times[0] - accepted)
+        for a, b in zip(token_times, token_times[1:]):
+            self.itl.observe(b - a)
+        if len(token_times) > 1:
+            self.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

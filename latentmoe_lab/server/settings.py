@@ -1,0 +1,70 @@
+"""The service file: the engine's ServiceConfig (docs/design.md §6.1) plus our `server:` section (§10).
+
+The engine's four sections are parsed by ServiceConfig, unchanged. A fifth, optional section belongs to
+the HTTP service and is taken off before ServiceConfig sees the rest:
+
+    server:
+      max_retries         int >= 0   failed engine steps a request may live through; one more and it
+                                     fails alone with a "engine_step_failed" error (default 3)
+      max_restarts        int >= 0   engine restarts (weights reloaded) before the service gives up and
+                                     /health turns 503 (default 10)
+      step_timeout_s      float > 0  a step running longer counts as a silent engine: restarted (default 120)
+      max_body_bytes      int >= 1   request bodies past this get HTTP 400 (default 1 MiB)
+      request_timeout_s   float > 0  a request still unfinished after this is aborted with an error (default 600)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from latentmoe_lab.serving import ServiceConfig
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    max_retries: int = 3
+    max_restarts: int = 10
+    step_timeout_s: float = 120.0
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_retries", "max_restarts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"server.{name}: must be an integer >= 0, got {value!r}")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+                or self.max_body_bytes < 1:
+            raise ValueError(f"server.max_body_bytes: must be an integer >= 1, got {self.max_body_bytes!r}")
+        for name in ("step_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"server.{name}: must be a finite number of seconds > 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ServerSettings":
+        if not isinstance(values, dict):
+            raise ValueError(f"server: expected a mapping of keys, got {type(values).__name__}")
+        known = [f.name for f in fields(cls)]
+        for key in values:
+            if key not in known:
+                raise ValueError(f"server.{key}: unknown key; expected some of {known}")
+        return cls(**values)
+
+
+def split_service_dict(data: dict[str, Any]) -> tuple[ServiceConfig, ServerSettings]:
+    """A parsed service file -> (the engine's ServiceConfig, our ServerSettings)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"service config: expected a mapping of sections, got {type(data).__name__}")
+    rest = {key: value for key, value in data.items() if key != "server"}
+    return ServiceConfig.from_dict(rest), ServerSettings.from_dict(data.get("server") or {})
+
+
+def load_service_file(path: str | Path) -> tuple[ServiceConfig, ServerSettings]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config: no service config file at {str(path)!r}")
+    return split_service_dict(yaml.safe_load(path.read_text()) or {})

@@ -1,0 +1,322 @@
+"""EngineWorker: the engine on its own thread, with request-level retry and restarts (docs/design.md §10).
+
+The HTTP side never touches the Engine. It calls submit() / abort(), which put a command on a queue;
+the engine thread takes the commands between steps, steps while there is work, and hands each
+request's events to that request's `deliver` callback (the app makes it thread-safe with
+loop.call_soon_threadsafe).
+
+Faults, and what the worker does about them:
+
+    a step raises                 every request of that step is charged one retry; the engine is rebuilt
+                                  (fresh pools, same weights) and every in-flight request re-queued with
+                                  prompt + tokens so far (recompute). A request charged more than
+                                  server.max_retries times fails alone with error "engine_step_failed".
+    the engine thread dies        the watchdog sees it within a poll (0.2 s): the weights are reloaded, a
+                                  fresh engine and thread started, every in-flight request re-queued.
+    a step hangs                  past server.step_timeout_s the same restart; the old thread, when it
+                                  returns, finds its generation stale and exits without a word.
+
+Requests that shared a step with a request that fails every time are charged with it (the engine does
+not say which request broke a step); data-dependent failures the engine can pin on one request
+(non-finite logits, bad images) it already ends alone. A re-queued sampled request continues with a
+generator seeded from (seed, tokens so far), so greedy outputs equal an unfaulted run exactly and sampled
+seeded ones stay reproducible. After server.max_restarts restarts the worker gives up: requests fail, /health 503.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from latentmoe_lab.server.prom import ServerMetrics
+from latentmoe_lab.server.settings import ServerSettings
+from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+
+log = logging.getLogger(__name__)
+WATCHDOG_POLL_S = 0.2
+IDLE_WAIT_S = 0.5
+STOP_TIMEOUT_S = 30
+ENGINE_LOG_KEEP = 1000  # engine.log step and request records kept
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's deliver callback gets: new token ids, or the end (finish_reason, error)."""
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    key: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    deliver: Callable[[Event], None]
+    accepted: float = field(default_factory=time.monotonic)
+    generated: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    retries: int = 0
+    engine_id: int | None = None
+    aborted: bool = False
+
+    def resumed(self) -> tuple[list[int], SamplingParams]:
+        """Prompt + tokens so far, and the params for the rest (recompute after a failure)."""
+        if not self.generated:
+            return self.prompt_ids, self.params
+        seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + len(self.generated)) % 2**63
+        params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(self.generated),
+                                     seed=seed)
+        return self.prompt_ids + self.generated, params
+
+
+class EngineWorker:
+    def __init__(self, config: ServiceConfig, settings: ServerSettings, model_factory: Callable,
+                 metrics: ServerMetrics | None = None):
+        self.config = config
+        self.settings = settings
+        self.metrics = metrics or ServerMetrics()
+        self._model_factory = model_factory
+        self._lock = threading.Condition()
+        self._commands: deque = deque()
+        self._requests: dict[int, _Request] = {}  # key -> request, until its end is delivered
+        self._by_engine_id: dict[int, _Request] = {}
+        self._next_key = 0
+        self._generation = 0
+        self._step_started: float | None = None
+        self._stopping = False
+        self.restarts = 0
+        self.gave_up = False
+        self.last_stats: dict = {}
+        self.model = None  # loaded by start(), reloaded by a restart
+        self.engine: Engine | None = None
+        self._thread: threading.Thread | None = None
+        self._spawned: list[threading.Thread] = []
+        self._watchdog: threading.Thread | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self.model = self._model_factory()
+        self.engine = Engine(self.model, self.config)
+        self._publish_stats()
+        self._thread = self._spawn(self._generation)
+        self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        # every engine thread, also one a restart left behind in a hung step: none may still run torch
+        # code when the interpreter exits (that aborts the process)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for thread in [*self._spawned, self._watchdog]:
+            if thread is not None:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def alive(self) -> bool:
+        return not self.gave_up and self._thread is not None and self._thread.is_alive()
+
+    # -------------------------------------------------------------- HTTP side
+    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> Future:
+        """Queue a request; the future gives its key once the engine accepted it, or the engine's refusal
+        (QueueFullError, ValueError). Events then arrive through deliver, on the engine thread."""
+        future: Future = Future()
+        with self._lock:
+            if self.gave_up:
+                future.set_exception(RuntimeError("engine unavailable: restarts exhausted"))
+                return future
+            request = _Request(self._next_key, list(prompt_ids), params, deliver)
+            self._next_key += 1
+            self._commands.append(("add", request, future))
+            self._lock.notify_all()
+        return future
+
+    def abort(self, key: int, reason: str = "abort") -> None:
+        """End a request early: the client left ("abort") or its text reached a stop string ("stop")."""
+        with self._lock:
+            self._commands.append(("abort", (key, reason), None))
+            self._lock.notify_all()
+
+    # ----------------------------------------------------------- engine thread
+    def _spawn(self, generation: int) -> threading.Thread:
+        thread = threading.Thread(target=self._run, args=(generation,), name=f"engine-{generation}", daemon=True)
+        thread.start()
+        self._spawned.append(thread)
+        return thread
+
+    def _run(self, generation: int) -> None:
+        try:
+            self._loop(generation)
+        except BaseException:  # noqa: BLE001 - the thread ends here; the watchdog restarts the engine
+            log.exception("engine thread %d died; the watchdog restarts it", generation)
+
+    def _loop(self, generation: int) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._commands or self._engine_busy(generation)):
+                    self._lock.wait(IDLE_WAIT_S)
+                if self._stopping or generation != self._generation:
+                    return
+                commands, self._commands = list(self._commands), deque()
+                engine = self.engine
+                for command in commands:
+                    self._run_command(engine, *command)
+                if commands:
+                    self._publish_stats()  # an abort frees blocks without a step
+                if not engine.has_unfinished():
+                    continue
+                started = self._step_started = time.monotonic()
+            try:
+                outputs = engine.step()  # the only long call, outside the lock
+            except Exception as error:  # noqa: BLE001 - any step failure is retried, reported by kind
+                with self._lock:
+                    if generation == self._generation:
+                        self._recover_from_step(engine, error)
+                continue
+            finally:
+                if generation == self._generation:
+                    self._step_started = None
+            with self._lock:
+                if generation != self._generation:
+                    return  # a restart replaced this thread while it stepped
+                self.metrics.step_time.observe(time.monotonic() - started)
+                self._publish_stats()  # first: a client that got its token sees the step's stats
+                for out in outputs:
+                    self._deliver_output(out)
+
+    def _engine_busy(self, generation: int) -> bool:
+        return generation == self._generation and self.engine is not None and self.engine.has_unfinished()
+
+    def _run_command(self, engine: Engine, kind: str, payload, future: Future | None) -> None:
+        if kind == "abort":
+            key, reason = payload
+            request = self._requests.get(key)
+            if request is None:
+                return  # already finished
+            request.aborted = True
+            if self._by_engine_id.pop(request.engine_id, None) is not None:
+                engine.abort(request.engine_id)
+            self._finish(request, reason, None)
+            return
+        request = payload
+        if request.aborted:
+            return
+        prompt, params = request.resumed()
+        try:
+            request.engine_id = engine.add_request(prompt, params)
+        except Exception as error:  # noqa: BLE001 - ValueError / QueueFullError are the client's; any other
+            if future is not None:  # is still this request's alone, and its future must not hang
+                future.set_exception(error)
+                return
+            self._finish(request, "error", f"engine_requeue_failed: {error}")
+            return
+        self._by_engine_id[request.engine_id] = request
+        if future is not None:
+            self._requests[request.key] = request
+            self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+            future.set_result(request.key)
+
+    def _deliver_output(self, out) -> None:
+        request = self._by_engine_id.get(out.request_id)
+        if request is None:
+            return
+        if out.new_token_ids:
+            now = time.monotonic()
+            request.generated += out.new_token_ids
+            request.token_times += [now] * len(out.new_token_ids)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            request.deliver(Event(list(out.new_token_ids)))
+        if out.finished:
+            del self._by_engine_id[out.request_id]
+            self._finish(request, out.finish_reason, out.error)
+
+    def _finish(self, request: _Request, reason: str, error: str | None) -> None:
+        if self._requests.pop(request.key, None) is None:
+            return
+        self.metrics.observe_finished(reason, request.token_times, request.accepted, time.monotonic())
+        if reason == "error":
+            self.metrics.errors.labels(kind=(error or "error").split(":")[0]).inc()
+        request.deliver(Event([], True, reason, error))
+
+    def _publish_stats(self) -> None:
+        self.last_stats = self.engine.stats()
+        self.metrics.observe_engine(self.last_stats)
+        log = self.engine.log  # the engine keeps a record per step and per request, without end: a server
+        for records in (log.steps, log.requests):  # keeps the latest; Prometheus has the history
+            if len(records) > 2 * ENGINE_LOG_KEEP:
+                del records[:-ENGINE_LOG_KEEP]
+
+    # -------------------------------------------------------------- recovery
+    def _recover_from_step(self, engine: Engine, error: Exception) -> None:
+        """Under the lock: charge the step's requests, rebuild the engine, re-queue everything in flight."""
+        in_step = {seq.request_id for seq in engine.scheduler.running} or set(self._by_engine_id)
+        message = f"engine_step_failed: {type(error).__name__}: {error}"
+        for engine_id in in_step:
+            request = self._by_engine_id.get(engine_id)
+            if request is not None:
+                request.retries += 1
+                self.metrics.retries.inc()
+        for request in list(self._by_engine_id.values()):
+            if request.retries > self.settings.max_retries:
+                self._finish(request, "error", f"{message} (after {self.settings.max_retries} retries)")
+        self.metrics.restarts.labels(cause="step_failed").inc()
+        self._replace_engine(Engine(self.model, self.config))
+
+    def _replace_engine(self, engine: Engine) -> None:
+        """Under the lock: swap in a fresh engine and put every unfinished request at the queue's front."""
+        self.engine = engine
+        self._by_engine_id = {}
+        self.metrics.engine_replaced()
+        queued = {id(command[1]) for command in self._commands if command[0] == "add"}
+        requeue = [("add", r, None) for r in self._requests.values() if id(r) not in queued]
+        for request in self._requests.values():
+            request.engine_id = None
+        self._commands.extendleft(reversed(requeue))
+        self._publish_stats()
+        self._lock.notify_all()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            with self._lock:
+                if self._stopping or self.gave_up:
+                    return
+                started = self._step_started
+                hung = started is not None and time.monotonic() - started > self.settings.step_timeout_s
+                dead = not self._thread.is_alive()
+                if not (hung or dead):
+                    continue
+                self._generation += 1  # the old thread, if it ever returns, exits without delivering
+                generation = self._generation
+                self._step_started = None
+            self._restart("worker_hung" if hung else "worker_died", generation)
+
+    def _restart(self, cause: str, generation: int) -> None:
+        """Reload the weights, start a fresh engine and thread; gives up past server.max_restarts."""
+        self.metrics.restarts.labels(cause=cause).inc()
+        if self.restarts >= self.settings.max_restarts:
+            with self._lock:
+                self.gave_up = True
+                for request in list(self._requests.values()):
+                    self._finish(request, "error", f"engine_unavailable: {cause}, restarts exhausted "
+                                                   f"({self.settings.max_restarts})")
+                for kind, payload, future in self._commands:
+                    if future is not None:
+                        future.set_exception(RuntimeError("engine unavailable: restarts exhausted"))
+                self._commands.clear()
+            return
+        self.restarts += 1
+        model = self._model_factory()  # outside the lock: submits keep queueing meanwhile
+        engine = Engine(model, self.config)
+        with self._lock:
+            self.model = model
+            self._replace_engine(engine)
+            self._thread = self._spawn(generation)

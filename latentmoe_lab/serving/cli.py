@@ -1,0 +1,122 @@
+"""Subcommands `plan-service` and `serve-bench` (registered in latentmoe_lab/cli.py through add_parser).
+
+    latentmoe-lab plan-service configs/service-example.yaml        per-device memory plan, nothing allocated
+    latentmoe-lab serve-bench --config configs/service-cpu.yaml    synthetic workload -> metrics + reports/serve.html
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_parser(subparsers) -> None:
+    plan = subparsers.add_parser(
+        "plan-service", help="per-device memory plan of a service config (nothing is allocated)",
+        description="Read a service YAML and print, per pipeline stage, one device's weights, activations and "
+                    "paged caches (DSA blocks, KDA slots, prefix snapshots), and one full-length sequence's cache.")
+    plan.add_argument("config", help="service YAML, e.g. configs/service-example.yaml")
+    plan.add_argument("--preset", default=None,
+                      help="model preset to plan (default: model.preset of the config, else k3-2.8t)")
+    plan.set_defaults(func=cmd_plan_service)
+
+    bench = subparsers.add_parser(
+        "serve-bench", help="run a synthetic workload through the serving engine and report latencies",
+        description="Poisson arrivals of mixed-length prompts (some with an image) through Engine; prints the "
+                    "TTFT / TPOT / ITL / queue / e2e table and engine stats, writes an HTML report.")
+    bench.add_argument("--config", required=True, help="service YAML that runs here, e.g. configs/service-cpu.yaml")
+    bench.add_argument("--requests", type=int, default=24, help="number of requests (default: %(default)s)")
+    bench.add_argument("--rate", type=float, default=4.0, help="arrivals per second (default: %(default)s)")
+    bench.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (default: %(default)s)")
+    bench.add_argument("--max-prompt", type=int, default=512, help="longest prompt (default: %(default)s)")
+    bench.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
+    bench.add_argument("--image-fraction", type=float, default=0.25,
+                       help="share of prompts carrying an image (default: %(default)s)")
+    bench.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--report", default="reports/serve.html", help="HTML report path (default: %(default)s)")
+    bench.set_defaults(func=cmd_serve_bench)
+
+
+def _say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cmd_plan_service(args: argparse.Namespace) -> int:
+    from latentmoe_lab.config import ModelConfig
+    from latentmoe_lab.serving.config import ServiceConfig
+    from latentmoe_lab.serving.service_plan import service_plan_text
+
+    service = ServiceConfig.from_yaml(args.config)
+    preset = args.preset or service.model.preset or "k3-2.8t"
+    _say(f"planning {preset} on the meta device (no memory is allocated)")
+    print(service_plan_text(service, ModelConfig.from_preset(preset)))
+    return 0
+
+
+def load_model(service):
+    """The model a service config names: model.checkpoint (from_pretrained) or model.preset (random weights)."""
+    import torch
+
+    from latentmoe_lab.config import ModelConfig
+    from latentmoe_lab.model import LatentMoEForCausalLM
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if service.model.dtype not in dtypes:
+        raise ValueError(f"model.dtype: {service.model.dtype!r} is for planning; the engine runs "
+                         f"{sorted(dtypes)} weights")
+    if service.model.checkpoint:
+        return LatentMoEForCausalLM.from_pretrained(service.model.checkpoint,
+                                                    dtype=dtypes[service.model.dtype]).eval()
+    if not service.model.preset:
+        raise ValueError("model.preset: give model.preset or model.checkpoint to run the engine")
+    torch.manual_seed(service.model.seed)
+    model = LatentMoEForCausalLM(ModelConfig.from_preset(service.model.preset))
+    return model.to(dtypes[service.model.dtype]).eval()
+
+
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from latentmoe_lab.report import write_html_report
+    from latentmoe_lab.serving.config import ServiceConfig
+    from latentmoe_lab.serving.engine import Engine
+    from latentmoe_lab.serving.metrics import format_table, summarize
+    from latentmoe_lab.serving.workload import run_workload, synthetic_workload
+    from latentmoe_lab.viz.serving import latency_histograms, timeline_figure
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    service = ServiceConfig.from_yaml(args.config)
+    _say(f"building {service.model.preset or service.model.checkpoint}")
+    model = load_model(service)
+    engine = Engine(model, service)
+    _say(f"cache plan:\n{engine.plan.table()}")
+    requests = synthetic_workload(args.requests, args.rate, args.min_prompt,
+                                  min(args.max_prompt, service.model.max_model_len - args.max_tokens),
+                                  args.max_tokens, args.image_fraction, model.config.vocab_size, args.seed,
+                                  has_vision=model.config.vision is not None)
+    start = time.monotonic()
+    with tqdm(total=len(requests), desc="serve-bench") as bar:
+        outputs = run_workload(engine, requests, bar)
+    elapsed = time.monotonic() - start
+    errors = [o for o in outputs if o.error]
+    finished = [o.metrics for o in outputs if not o.error]
+    stats = engine.stats()
+    generated = sum(m.generated_tokens for m in finished)
+    summary = format_table(summarize(finished))
+    header = (f"{len(outputs)} requests ({len(errors)} failed) at {args.rate}/s in {elapsed:.1f} s: "
+              f"{generated / elapsed:.1f} generated tokens/s, {stats['steps']} steps, "
+              f"{stats['preemptions']} preemptions, {stats['prefix_hit_tokens']} prefix-hit tokens")
+    stat_line = ", ".join(f"{k} {v}" for k, v in stats.items())
+    print(header)
+    print(summary)
+    print(stat_line)
+    for out in errors:
+        print(f"request {out.request_id} failed: {out.error}")
+    path = write_html_report(args.report, "LatentMoE Lab serve-bench", [
+        header, summary, stat_line, engine.plan.table(),
+        timeline_figure(engine.log.steps, engine.block_manager.num_blocks), latency_histograms(finished)])
+    print(f"HTML report: {path}")
+    return 0 if not errors else 1

@@ -1,0 +1,250 @@
+"""Engine: requests in, tokens out, one scheduler step at a time (docs/design.md §6.6).
+
+One request from arrival to its last token:
+
+    engine.add_request(prompt, params)     inputs.py checks the prompt and images -> a Sequence, waiting
+    engine.step()                          scheduler.py picks the step's tokens: decodes, then prefill chunks
+                                           (the sequence gets a KDA slot, a prefix-cache hit, blocks)
+        model_runner.py                    packs them into one ForwardBatch; the model reads and writes the
+                                           paged pools; logits [S, vocab] at each sequence's last new token
+        sampling.py                        a sequence whose chunk reached its last token samples one token
+                                           with its own generator
+        scheduler.finish_step              counts the tokens in, offers full blocks to the prefix cache,
+                                           stops on max_tokens / a stop id / max_model_len, frees the cache
+    ... until finished: the RequestOutput carries token_ids (generated only) and metrics.
+
+A bad request (empty, too long, bad sampling params, images that do not match placeholders, a full
+queue) raises ValueError from add_request; the engine is untouched. A request that fails inside a step
+(its images fail to encode, its logits are not finite) ends with finish_reason "error" and .error set;
+the others go on.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from latentmoe_lab.finite import first_non_finite
+from latentmoe_lab.serving.block_manager import BlockManager
+from latentmoe_lab.serving.config import ServiceConfig
+from latentmoe_lab.serving.inputs import prompt_inputs
+from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
+from latentmoe_lab.serving.model_runner import ModelRunner
+from latentmoe_lab.serving.planner import allocate_pools, plan_cache
+from latentmoe_lab.serving.sampling import SamplingParams, sample_token
+from latentmoe_lab.serving.scheduler import Scheduler
+from latentmoe_lab.serving.sequence import Sequence, Status
+
+
+class QueueFullError(ValueError):
+    """scheduler.max_batch_size requests are already held (waiting + running)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far (all of them once finished)
+    new_token_ids: list[int] = field(default_factory=list)  # generated in the step that made this output
+    finished: bool = False
+    finish_reason: str | None = None  # "length", "stop", "abort" or "error"
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+class Engine:
+    def __init__(self, model, service_config: ServiceConfig, device: torch.device | str = "cpu"):
+        if not isinstance(service_config, ServiceConfig):
+            raise TypeError(f"service_config: expected a ServiceConfig, got {type(service_config).__name__}")
+        cfg = service_config
+        for key in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size"):
+            if getattr(cfg.parallel, key) != 1:
+                raise ValueError(f"parallel.{key}: the in-process engine runs on one device, got "
+                                 f"{getattr(cfg.parallel, key)} (plan-service plans multi-device layouts)")
+        self.config = cfg
+        self.model_config = model.config
+        if cfg.model.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"model.max_model_len: ({cfg.model.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        weights = next(model.parameters()).dtype
+        expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype)
+        if expected is not None and weights != expected:
+            raise ValueError(f"model.dtype: the config says {cfg.model.dtype} but the model's weights are {weights}")
+        self.plan = plan_cache(self.model_config, cfg)
+        self.pools = allocate_pools(self.model_config, self.plan, device)
+        self.block_manager = BlockManager(self.plan.num_blocks, cfg.memory.block_size, self.plan.num_slots,
+                                          self.plan.num_snapshots, cfg.memory.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
+                                   cfg.scheduler.chunked_prefill, self.pools.copy_slot)
+        self.runner = ModelRunner(model, self.pools, cfg.memory.block_size, device)
+        self.log = MetricsLog()
+        self._sequences: dict[int, Sequence] = {}
+        self._next_id = 0
+        self._steps = 0
+        self._tokens = {"prefill": 0, "decode": 0}
+
+    # ------------------------------------------------------------- requests
+    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+        """Queue one request; returns its id. Raises ValueError / TypeError for this request alone."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if self.scheduler.num_unfinished >= self.config.scheduler.max_batch_size:
+            raise QueueFullError(f"queue full: scheduler.max_batch_size ({self.config.scheduler.max_batch_size}) "
+                                 f"requests are already waiting or running")
+        ids, images = prompt_inputs(prompt, self.model_config)
+        limit = self.config.model.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate under model.max_model_len "
+                             f"({limit})")
+        if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: ids must be < vocab_size ({self.model_config.vocab_size})")
+        seq = Sequence(self._next_id, ids, params, images, max_tokens=min(params.max_tokens, limit - len(ids)))
+        self._next_id += 1
+        self._sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: int) -> RequestOutput:
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            raise ValueError(f"request_id: no unfinished request {request_id}")
+        self.scheduler.finish(seq, "abort")
+        return self._finished_output(seq, time.monotonic())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; an output for every request that got a token or finished in it."""
+        start = time.monotonic()
+        batch = self.scheduler.schedule()
+        if not batch.entries and self.scheduler.waiting and not self.scheduler.running:
+            # cannot happen while the planner guarantees one max_model_len sequence fits: fail loudly, never spin
+            raise RuntimeError(f"scheduler: {len(self.scheduler.waiting)} requests wait but none can be admitted "
+                               f"(free blocks {self.block_manager.num_free_blocks}, slots used "
+                               f"{self.block_manager.slots_used})")
+        schedule_time = time.monotonic() - start  # + the ForwardBatch build below; not the vision tower
+        outputs = [self._fail(seq, error) for seq, error in self._encode_images(batch)]
+        batch.entries = [(seq, n) for seq, n in batch.entries if seq.status is Status.RUNNING]
+        for seq, _ in batch.entries:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = start
+        sampled: dict[int, int] = {}
+        if batch.entries:
+            try:
+                output = self.runner.run(batch)
+            except Exception:
+                # the layers before the failure already advanced these KDA slots: recompute them from scratch
+                for seq, _ in reversed(batch.entries):
+                    self.scheduler.preempt(seq)
+                raise
+            schedule_time += self.runner.last_build_time
+            logits = output.logits.float()
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            for (seq, _), emits, row, ok in zip(batch.entries, batch.emits(), logits, finite):
+                if not ok:
+                    where = first_non_finite(getattr(output, "finite", None), self.model_config.layer_types)
+                    outputs.append(self._fail(seq, f"logits: non-finite for this request (first non-finite at "
+                                                   f"{where}); the other requests go on"))
+                elif emits:
+                    sampled[seq.request_id] = sample_token(row, seq.params, seq.generator)
+        prefill = batch.num_tokens - batch.num_decode_tokens
+        self._tokens["prefill"] += prefill
+        self._tokens["decode"] += batch.num_decode_tokens
+        self.scheduler.finish_step(batch, sampled)
+        now = time.monotonic()
+        for seq, _ in batch.entries:
+            if seq.request_id not in sampled:
+                continue
+            seq.token_times.append(now)
+            if seq.status is Status.FINISHED:
+                outputs.append(self._finished_output(seq, now, [seq.token_ids[-1]]))
+            else:
+                outputs.append(RequestOutput(seq.request_id, seq.prompt_ids, seq.generated_ids,
+                                             [seq.token_ids[-1]]))
+        self._steps += 1
+        self.log.steps.append(StepRecord(
+            time=now, duration=now - start, schedule_time=schedule_time, prefill_tokens=prefill,
+            decode_tokens=batch.num_decode_tokens, running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting), blocks_used=self.block_manager.blocks_used,
+            slots_used=self.block_manager.slots_used, preemptions=len(batch.preempted),
+            prefix_hit_tokens=self.scheduler.prefix_hit_tokens))
+        return outputs
+
+    def _encode_images(self, batch) -> list[tuple[Sequence, str]]:
+        failed = []
+        for seq, _ in batch.entries:
+            try:
+                self.runner.encode_images(seq)
+            except ValueError as error:
+                failed.append((seq, f"images: {error}"))
+        return failed
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        seq.error = error
+        self.scheduler.finish(seq, "error")
+        return self._finished_output(seq, time.monotonic())
+
+    def _finished_output(self, seq: Sequence, now: float, new_token_ids: list[int] | None = None) -> RequestOutput:
+        seq.finish_time = now
+        metrics = RequestMetrics.of(seq)
+        self.log.requests.append(metrics)
+        del self._sequences[seq.request_id]
+        return RequestOutput(seq.request_id, seq.prompt_ids, seq.generated_ids, new_token_ids or [],
+                             True, seq.finish_reason, seq.error, metrics)
+
+    # ------------------------------------------------------------ front ends
+    def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One finished output per prompt, in order. A prompt that is refused gets finish_reason "error".
+
+        Prompts enter as room frees up under scheduler.max_batch_size, so any number may be given.
+        """
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts: expected a list of prompts, got {type(prompts).__name__}")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(prompts)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        index_of: dict[int, int] = {}
+        pending = deque(range(len(prompts)))
+        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+            while pending or index_of:
+                while pending and self.scheduler.num_unfinished < self.config.scheduler.max_batch_size:
+                    i = pending.popleft()
+                    try:
+                        index_of[self.add_request(prompts[i], params_list[i])] = i
+                    except (ValueError, TypeError) as error:
+                        results[i] = RequestOutput(-1, [], [], finished=True, finish_reason="error", error=str(error))
+                        bar.update()
+                for out in self.step() if self.has_unfinished() else []:
+                    if out.finished and out.request_id in index_of:
+                        results[index_of.pop(out.request_id)] = out
+                        bar.update()
+        return results
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Yield this request's outputs as its tokens arrive (the engine serves every request meanwhile)."""
+        request_id = self.add_request(prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"steps": self._steps, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_used": bm.blocks_used, "slots_used": bm.slots_used, "num_blocks": bm.num_blocks,
+                "num_slots": bm.num_slots, "cached_blocks": bm.cached_blocks, "snapshots": bm.snapshots_held,
+                "preemptions": self.scheduler.num_preemptions, "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+                "prefill_tokens": self._tokens["prefill"], "decode_tokens": self._tokens["decode"]}

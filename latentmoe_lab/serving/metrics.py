@@ -1,0 +1,97 @@
+"""Latency metrics per request, a record per step, and p50 / p90 / p99 summaries (docs/design.md §6.6).
+
+Every time comes from time.monotonic() (never the wall clock, which can jump).
+
+    queue time  first scheduled - arrival
+    TTFT        first generated token - arrival
+    TPOT        (last token - first token) / (generated - 1): the mean decode interval
+    ITL         every interval between two consecutive generated tokens
+    e2e         finish - arrival
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from latentmoe_lab.serving.sequence import Sequence
+
+
+@dataclass
+class RequestMetrics:
+    """Seconds; tpot is None with fewer than 2 generated tokens, ttft None with none."""
+
+    queue_time: float | None
+    ttft: float | None
+    tpot: float | None
+    itl: list[float]
+    e2e: float | None
+    prompt_tokens: int
+    generated_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        times = seq.token_times
+        itl = [b - a for a, b in zip(times, times[1:])]
+        return cls(
+            queue_time=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
+            ttft=times[0] - seq.arrival_time if times else None,
+            tpot=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            itl=itl,
+            e2e=None if seq.finish_time is None else seq.finish_time - seq.arrival_time,
+            prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.generated_ids),
+            prefix_hit_tokens=seq.prefix_hit_tokens, preemptions=seq.num_preemptions,
+        )
+
+
+@dataclass
+class StepRecord:
+    """One engine step: when, how long, what ran, what the cache held afterwards."""
+
+    time: float
+    duration: float
+    schedule_time: float  # scheduler + batch metadata, the part that is not the model forward
+    prefill_tokens: int
+    decode_tokens: int
+    running: int
+    waiting: int
+    blocks_used: int
+    slots_used: int
+    preemptions: int  # in this step
+    prefix_hit_tokens: int  # total so far
+
+
+@dataclass
+class MetricsLog:
+    steps: list[StepRecord] = field(default_factory=list)
+    requests: list[RequestMetrics] = field(default_factory=list)
+
+
+def percentiles(values: list[float], qs: tuple[float, ...] = (50, 90, 99)) -> dict[str, float]:
+    """{'p50': ..., 'p90': ..., 'p99': ..., 'mean': ...} (linear interpolation); NaN for no values."""
+    if not values:
+        return {f"p{q:g}": float("nan") for q in qs} | {"mean": float("nan")}
+    data = torch.tensor(values, dtype=torch.float64)
+    out = {f"p{q:g}": float(torch.quantile(data, q / 100)) for q in qs}
+    return out | {"mean": float(data.mean())}
+
+
+def summarize(requests: list[RequestMetrics]) -> dict[str, dict[str, float]]:
+    """Per metric name (queue_time, ttft, tpot, itl, e2e) its percentiles over the requests (ITL: every interval)."""
+    def present(name):
+        return [getattr(r, name) for r in requests if getattr(r, name) is not None]
+
+    return {"queue_time": percentiles(present("queue_time")), "ttft": percentiles(present("ttft")),
+            "tpot": percentiles(present("tpot")), "itl": percentiles([x for r in requests for x in r.itl]),
+            "e2e": percentiles(present("e2e"))}
+
+
+def format_table(summary: dict[str, dict[str, float]]) -> str:
+    """The summary as a text table in milliseconds."""
+    columns = list(next(iter(summary.values())))
+    lines = [f"{'metric (ms)':<14}" + "".join(f"{c:>11}" for c in columns)]
+    for name, stats in summary.items():
+        lines.append(f"{name:<14}" + "".join(f"{stats[c] * 1e3:>11.1f}" for c in columns))
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""Model runner: a scheduled batch -> one ForwardBatch -> the model -> one logits row per sequence (docs/design.md §6.4).
+
+For S scheduled sequences with n_i new tokens each, the new tokens go back to back in one row:
+
+    input_ids    [1, total]       token_ids[num_computed : num_computed + n_i] of each sequence
+    positions    [total]          num_computed + 0 .. n_i - 1
+    query_start  [S + 1]          prefix sums of n_i
+    context_len  [S]              num_computed (tokens already in the pools)
+    state_slot   [S]              the sequence's KDA slot
+    block_table  [S, max_blocks]  its block ids, -1 past the end
+    slot_mapping [total]          block_table[p // block_size] * block_size + p % block_size for each position p
+    emit         [S]              the chunk reaches the end of token_ids: sample after this step
+    image_features [P, hidden]    rows of each sequence's (once-computed) vision features for the image
+                                  placeholders inside its chunk, in token order; image_mask [total] marks them
+
+The model returns logits [S, vocab] at each sequence's last new token.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from latentmoe_lab.forward_batch import ForwardBatch
+from latentmoe_lab.serving.scheduler import ScheduledBatch
+from latentmoe_lab.serving.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, pools, block_size: int, device: torch.device | str = "cpu"):
+        self.model = model
+        self.pools = pools
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.last_build_time = 0.0  # seconds the last run spent building ForwardBatch metadata
+
+    def encode_images(self, seq: Sequence) -> None:
+        """Vision features of the whole prompt, once per request (kept across chunks and preemptions)."""
+        if seq.images is not None and seq.image_features is None:
+            with torch.no_grad():
+                seq.image_features = self.model.encode_images(seq.images.pixel_values.to(self.device),
+                                                              seq.images.image_grids.to(self.device))
+
+    def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        tokens, positions, slot_mapping, starts, contexts, slots, tables = [], [], [], [0], [], [], []
+        image_rows, image_mask = [], []
+        for seq, n in batch.entries:
+            start = seq.num_computed
+            span = range(start, start + n)
+            tokens += seq.token_ids[start:start + n]
+            positions += span
+            slot_mapping += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                             for p in span]
+            starts.append(starts[-1] + n)
+            contexts.append(start)
+            slots.append(seq.slot)
+            tables.append(seq.block_table)
+            image_mask += _placeholder_mask(seq, start, start + n)
+            if seq.images is not None:
+                first, last = seq.placeholders_before(start), seq.placeholders_before(start + n)
+                if last > first:
+                    image_rows.append(seq.image_features[first:last])
+        width = max(len(t) for t in tables)
+        block_table = torch.full((len(tables), width), -1, dtype=torch.int64)
+        for row, table in enumerate(tables):
+            block_table[row, :len(table)] = torch.tensor(table, dtype=torch.int64)
+
+        def ids(values):
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(
+            input_ids=ids(tokens)[None], positions=ids(positions), query_start=ids(starts),
+            context_len=ids(contexts), state_slot=ids(slots), block_table=block_table.to(self.device),
+            slot_mapping=ids(slot_mapping),
+            emit=torch.tensor(batch.emits(), dtype=torch.bool, device=self.device),
+            block_size=self.block_size,
+            image_features=torch.cat(image_rows) if image_rows else None,
+            image_mask=torch.tensor(image_mask, dtype=torch.bool, device=self.device) if image_rows else None,
+        )
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch):
+        """Run one step -> the model's output: .logits [S, vocab] fp32, row i for batch.entries[i]."""
+        for seq, _ in batch.entries:
+            self.encode_images(seq)
+        start = time.monotonic()
+        forward_batch = self.build_batch(batch)
+        self.last_build_time = time.monotonic() - start
+        return self.model(forward_batch.input_ids, batch=forward_batch, pools=self.pools)
+
+
+def _placeholder_mask(seq: Sequence, start: int, end: int) -> list[bool]:
+    """For positions [start, end): True where the prompt holds an image placeholder (generated ids never do)."""
+    mask = [False] * (end - start)
+    if seq.images is not None:
+        for span_start, span_end in seq.images.spans:
+            for p in range(max(start, span_start), min(end, span_end)):
+                mask[p - start] = True
+    return mask

@@ -1,0 +1,112 @@
+"""Memory planner: a byte budget -> DSA blocks and KDA slots, every cache counted (docs/design.md §6.2).
+
+    per block (block_size tokens, every DSA layer)   MLA latent + rope key, indexer key (+ its scale in fp8)
+    per slot  (every KDA layer)                      fp32 state [H, d_k, d_v] + conv tail [channels, kernel - 1]
+    slots = memory.max_num_seqs running + memory.prefix_snapshot_slots snapshots (prefix caching)
+    blocks = (budget - slots * per_slot) // per_block
+
+The bytes come from paged_pool_bytes, the function PagedPools' allocation is checked against, so the plan
+and the allocation agree to the byte. `plan_cache` plans the in-process engine (budget memory.cache_bytes); service_plan.py plans one device
+of a multi-device deployment with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.meta import format_bytes
+from latentmoe_lab.paged_pools import PagedPools, paged_pool_bytes
+from latentmoe_lab.quant.kv import kv_formats
+from latentmoe_lab.serving.config import ServiceConfig
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class CachePlan:
+    config: ModelConfig  # the layers the pools are shaped for (one device's share in plan_service)
+    num_blocks: int
+    block_size: int
+    num_slots: int  # running slots (max_num_seqs)
+    num_snapshots: int  # prefix-cache snapshot rows, after the running slots
+    dtype: torch.dtype  # conv tails (and plain token storage)
+    latent_format: object
+    index_format: object
+    budget: int
+    block_bytes: int
+    slot_bytes: int
+
+    @property
+    def pool_rows(self) -> int:
+        return self.num_slots + self.num_snapshots
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """paged_pool_bytes of this plan, with the snapshot rows' share of the KDA pools split out."""
+        kinds = paged_pool_bytes(self.config, self.num_blocks, self.block_size, self.pool_rows,
+                                 self.dtype, self.latent_format, self.index_format)
+        snapshots = self.num_snapshots * self.slot_bytes
+        return kinds | {"kda_snapshots (included above)": snapshots}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes + self.pool_rows * self.slot_bytes
+
+    def table(self) -> str:
+        kinds = self.bytes_by_kind()
+        lines = [f"{'cache':<32}{'bytes':>14}"]
+        lines += [f"{name:<32}{format_bytes(value):>14}" for name, value in kinds.items()]
+        lines.append(f"{'total':<32}{format_bytes(self.total_bytes):>14}   of a {format_bytes(self.budget)} budget")
+        lines.append(f"blocks: {self.num_blocks} x {self.block_size} tokens = {self.num_blocks * self.block_size} "
+                     f"tokens ({format_bytes(self.block_bytes)} per block, every DSA layer)")
+        lines.append(f"slots: {self.num_slots} running + {self.num_snapshots} prefix snapshots "
+                     f"({format_bytes(self.slot_bytes)} per slot, every KDA layer)")
+        return "\n".join(lines)
+
+
+def cache_formats(config: ModelConfig, service: ServiceConfig) -> tuple[torch.dtype, object, object]:
+    """(compute dtype of the conv tails, latent format, index format) for the service's kv_cache_dtype.
+
+    fp8 / int8 are the codecs of latentmoe_lab.quant (docs/design.md §7: 656 + 132 bytes per token and DSA
+    layer at full scale, index keys block-planar); the others store values as they are.
+    """
+    compute_name = "bf16" if service.model.dtype == "fp8" else service.model.dtype
+    latent_format, index_format = kv_formats(config, service.cache_dtype, compute_name)
+    return TORCH_DTYPES[compute_name], latent_format, index_format
+
+
+def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None = None) -> CachePlan:
+    """Blocks and slots for `config` within `budget` bytes (default memory.cache_bytes)."""
+    mem = service.memory
+    budget = mem.cache_bytes if budget is None else budget
+    if budget is None:
+        raise ValueError("memory.cache_bytes: required to size the caches of the in-process engine")
+    dtype, latent_format, index_format = cache_formats(config, service)
+
+    def total(num_blocks: int, num_slots: int) -> int:
+        return sum(paged_pool_bytes(config, num_blocks, mem.block_size, num_slots, dtype, latent_format,
+                                    index_format).values())
+
+    block_bytes, slot_bytes = total(1, 0), total(0, 1)
+    rows = mem.max_num_seqs + mem.snapshot_slots
+    if rows * slot_bytes > budget:
+        raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots "
+                         f"(max_num_seqs + prefix_snapshot_slots) of {slot_bytes} bytes each")
+    per_sequence = -(-service.model.max_model_len // mem.block_size)
+    if block_bytes == 0:  # a model without DSA layers: blocks cost nothing, give every slot a full sequence
+        num_blocks = per_sequence * mem.max_num_seqs
+    else:
+        num_blocks = (budget - rows * slot_bytes) // block_bytes
+    if num_blocks < per_sequence:
+        raise ValueError(f"memory.cache_bytes: {budget} bytes leave {num_blocks} blocks of {mem.block_size} tokens "
+                         f"after the KDA slots, fewer than one model.max_model_len sequence needs "
+                         f"({per_sequence} blocks for {service.model.max_model_len} tokens)")
+    return CachePlan(config, num_blocks, mem.block_size, mem.max_num_seqs, mem.snapshot_slots, dtype,
+                     latent_format, index_format, budget, block_bytes, slot_bytes)
+
+
+def allocate_pools(config: ModelConfig, plan: CachePlan, device=None) -> PagedPools:
+    """The PagedPools of a plan: rows [0, num_slots) running slots, then the snapshot rows."""
+    return PagedPools(config, plan.num_blocks, plan.block_size, plan.pool_rows, plan.dtype, device,
+                      plan.latent_format, plan.index_format)

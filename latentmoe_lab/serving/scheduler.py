@@ -1,0 +1,245 @@
+"""The scheduler: which tokens of which sequences run in the next step (docs/design.md §6.5).
+
+Continuous batching, no prefill phase and no decode phase. One step spends a budget of
+`prefill_chunk_size` tokens:
+
+  1. decodes: every running sequence whose prompt is done feeds its last sampled token (one each);
+  2. prefill chunks of running sequences whose prompt is not done, oldest first; while a waiting request
+     could be admitted, each takes at most half the budget, so one long prompt cannot hold back the
+     first tokens of short ones for its whole prefill;
+  3. waiting sequences, oldest first, while a KDA slot, blocks and budget remain: each takes a slot,
+     looks up the prefix cache, and starts its first chunk.
+
+Chunked prefill needs nothing special here: a sequence keeps its slot between chunks, so its KDA state
+and conv tail wait in the pools for the next chunk, and its DSA blocks keep the keys. With
+`chunked_prefill` off, a prompt runs whole in one step (the first prefill of a step may overrun the budget).
+
+Prefix caching: a chunk that would end past a block boundary ends AT the last boundary it crosses, so
+that a KDA snapshot can be taken there (a prompt's tail shorter than a block then runs one step later).
+
+Preemption by recompute: when a running sequence needs a block and none is free, the newest running
+sequence not yet scheduled this step gives back its blocks and slot and returns to the head of the
+waiting queue with prompt + generated tokens (num_computed = 0); it is recomputed when readmitted, the
+prefix cache often giving most of it back. Nothing is admitted in a step that preempted.
+
+Image-aware chunking, policy "features once": a request's vision features are computed at its first
+chunk and kept until it ends (preemption included), so chunks may cut image spans anywhere; each chunk
+takes the rows of the features for its own placeholders (Sequence.placeholders_before).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from latentmoe_lab.serving.block_manager import BlockManager
+from latentmoe_lab.serving.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """entries: (sequence, new tokens) in batch order; preempted: the sequences preempted to make room.
+
+    emits() says, per entry, whether its chunk reaches the end of its tokens (it samples after the step).
+    """
+
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for seq, n in self.entries if n == 1 and seq.num_remaining == 1 and seq.generated_ids)
+
+    def emits(self) -> list[bool]:
+        return [seq.num_computed + n == seq.num_tokens for seq, n in self.entries]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int,
+                 chunked_prefill: bool, copy_slot: Callable[[int, int], None]):
+        self.blocks = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_seqs = min(max_num_seqs, block_manager.num_slots)
+        self.budget = prefill_chunk_size
+        self.chunked_prefill = chunked_prefill
+        self.copy_slot = copy_slot  # copy_slot(src_row, dst_row): KDA state + conv tail, every KDA layer
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first, so the newest is preempted
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----------------------------------------------------------------- a step
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        scheduled: set[int] = set()
+        budget = self.budget
+        for seq in list(self.running):  # 1. decodes
+            if seq.status is Status.RUNNING and not seq.in_prefill and budget > 0:
+                if self._make_room(seq, 1, scheduled, batch):
+                    batch.entries.append((seq, 1))
+                    scheduled.add(seq.request_id)
+                    budget -= 1
+        first_prefill = True
+        # a long prompt may not take a whole step's budget while a newcomer could be admitted: half stays free
+        share = max(1, self.budget // 2) if self.waiting and len(self.running) < self.max_num_seqs else self.budget
+        for seq in list(self.running):  # 2. prefill chunks of running sequences
+            if seq.status is Status.RUNNING and seq.in_prefill and seq.request_id not in scheduled:
+                n = self._chunk_length(seq, min(budget, share), first_prefill)
+                if n > 0 and self._make_room(seq, n, scheduled, batch):
+                    batch.entries.append((seq, n))
+                    scheduled.add(seq.request_id)
+                    budget -= n
+                    first_prefill = False
+        while self.waiting and not batch.preempted and len(self.running) < self.max_num_seqs:  # 3. admit
+            seq = self.waiting[0]
+            n = self._admit(seq, budget, first_prefill)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.entries.append((seq, n))
+            scheduled.add(seq.request_id)
+            budget -= n
+            first_prefill = False
+        return batch
+
+    def _chunk_length(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
+        """New tokens for a prefilling sequence: budget-bound, block-aligned when prefix caching is on."""
+        if not self.chunked_prefill:
+            return seq.num_remaining if seq.num_remaining <= budget or first_prefill else 0
+        n = min(seq.num_remaining, budget)
+        if self.blocks.enable_prefix_caching:
+            boundary = (seq.num_computed + n) // self.block_size * self.block_size
+            if boundary > seq.num_computed:
+                n = boundary - seq.num_computed
+        return n
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table))
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        """Give `seq` blocks for n more tokens, preempting newer unscheduled sequences; False if seq itself went."""
+        while self._blocks_needed(seq, n) > self.blocks.num_free_blocks:
+            victim = next(s for s in reversed(self.running) if s.request_id not in scheduled)
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.block_table += self.blocks.allocate_blocks(self._blocks_needed(seq, n))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
+        """Slot, prefix hit and blocks for a waiting sequence's first chunk; its length, or 0 (left waiting)."""
+        if budget <= 0 and (self.chunked_prefill or not first_prefill):
+            return 0
+        slot = self.blocks.acquire_slot()
+        if slot is None:
+            return 0
+        seq.slot = slot
+        # at least one token must run to produce logits, so the last token never comes from the cache
+        hit_blocks, snapshot_row = [], None
+        if self.blocks.enable_prefix_caching:
+            full_blocks = (seq.num_tokens - 1) // self.block_size
+            hit_blocks, snapshot_row = self.blocks.match_prefix(seq.block_hashes(full_blocks, self.block_size))
+        hit_tokens = len(hit_blocks) * self.block_size
+        if hit_blocks:
+            self.copy_slot(snapshot_row, slot)
+            seq.block_table = list(hit_blocks)
+            seq.num_registered = len(hit_blocks)
+            seq.num_computed = hit_tokens
+        n = self._chunk_length(seq, budget, first_prefill)
+        if n > 0 and not self.chunked_prefill and self._blocks_needed(seq, n) > self.blocks.num_free_blocks:
+            n = 0
+        if n > 0 and self.chunked_prefill:
+            room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.block_size - seq.num_computed
+            n = min(n, room)
+        if n <= 0:
+            self._release(seq)
+            seq.num_computed = seq.num_registered = 0
+            return 0
+        seq.block_table += self.blocks.allocate_blocks(self._blocks_needed(seq, n))
+        seq.status = Status.RUNNING
+        seq.prefix_hit_tokens += hit_tokens
+        self.prefix_hit_tokens += hit_tokens
+        return n
+
+    # ------------------------------------------------------------ after a step
+    def finish_step(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
+        """Advance each scheduled sequence; `sampled` maps request id -> token for the sequences that emitted.
+
+        The caller appends nothing: this records the token, checks the stop rules, offers newly full
+        blocks to the prefix cache (with a KDA snapshot at the new end when it is block-aligned), and
+        frees a finished sequence's blocks and slot.
+        """
+        for seq, n in batch.entries:
+            if seq.status is not Status.RUNNING:
+                continue  # finished with an error during the step
+            seq.num_computed += n
+            self._offer_blocks(seq)
+            if seq.request_id in sampled:
+                seq.token_ids.append(sampled[seq.request_id])
+                if seq.finish_reason is None:
+                    seq.finish_reason = self._stop_reason(seq)
+                if seq.finish_reason is not None:
+                    self.finish(seq, seq.finish_reason)
+
+    def _offer_blocks(self, seq: Sequence) -> None:
+        if not self.blocks.enable_prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        if full <= seq.num_registered:
+            return
+        hashes = seq.block_hashes(full, self.block_size)
+        for index in range(seq.num_registered, full):
+            self.blocks.register_block(hashes[index], seq.block_table[index])
+        seq.num_registered = full
+        if seq.num_computed % self.block_size == 0:
+            row = self.blocks.snapshot_row_for(hashes[-1])
+            if row is not None:
+                self.copy_slot(seq.slot, row)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        if seq.token_ids[-1] in seq.params.stop_token_ids:
+            return "stop"
+        if len(seq.generated_ids) >= seq.max_tokens:
+            return "length"
+        return None
+
+    # ----------------------------------------------------- leaving the running
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_registered = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (done, aborted or failed): it leaves the queues and gives back its cache."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release_blocks(seq.block_table)
+        seq.block_table = []
+        if seq.slot is not None:
+            self.blocks.release_slot(seq.slot)
+            seq.slot = None
+        seq.status = Status.WAITING

@@ -1,0 +1,227 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Long-context serving: paged hybrid cache, continuous batching, prefix caching
+#
+# `model.generate` serves one batch of equal-length prompts over a contiguous cache. A server holds many
+# requests of every length at once, adds and drops them every step, and must never run out of memory in
+# the middle of one. This chapter follows `latentmoe_lab.serving` (docs/design.md §6) on a real run:
+#
+# 1. the paged cache: DSA blocks, one block table per sequence, and KDA slots;
+# 2. chunked prefill: peak memory as the chunk size changes;
+# 3. what grows with context (DSA blocks) and what does not (the KDA state);
+# 4. one engine run whose steps mix prefills and decodes, as a timeline;
+# 5. preemption when blocks run out, and prefix hits that skip recomputation;
+# 6. the full-scale table: one 1M-token sequence in bf16 and fp8 against the public GQA example;
+# 7. why the indexer cache must be counted.
+#
+# The engine runs the tiny preset here (every step is a real model forward on a CPU); the full-scale
+# numbers come from the planner, which allocates nothing.
+
+# %% tags=["parameters"]
+import os
+
+SMOKE = os.environ.get("LATENTMOE_SMOKE", "0") == "1"
+PRESET = "tiny"
+NUM_REQUESTS = 6 if SMOKE else 24
+PROMPT_RANGE = (8, 64) if SMOKE else (16, 400)
+NEW_TOKENS = 4 if SMOKE else 24
+LONG_PROMPT = 512 if SMOKE else 4000
+CHUNK_SIZES = [64, 256] if SMOKE else [64, 256, 1024, 4000]
+SHARED_PREFIX = 64 if SMOKE else 1024
+
+# %%
+import torch
+
+from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
+from latentmoe_lab.analysis.memory import PeakMemory
+from latentmoe_lab.meta import format_bytes
+from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving.service_plan import per_sequence_bytes, per_sequence_text, service_plan_text
+from latentmoe_lab.serving.workload import run_workload, synthetic_workload
+from latentmoe_lab.viz import serving as viz
+from latentmoe_lab.viz.notebook import use_notebook_renderer
+
+use_notebook_renderer()
+torch.manual_seed(0)
+config = ModelConfig.from_preset(PRESET)
+model = LatentMoEForCausalLM(config).eval()
+
+
+def service(max_model_len=4096, chunk=256, prefix=False, cache_bytes=8_000_000, max_num_seqs=8, block=16,
+            chunked=True):
+    return ServiceConfig.from_dict({
+        "model": {"max_model_len": max_model_len},
+        "memory": {"cache_bytes": cache_bytes, "block_size": block, "max_num_seqs": max_num_seqs,
+                   "enable_prefix_caching": prefix},
+        "scheduler": {"prefill_chunk_size": chunk, "chunked_prefill": chunked, "max_batch_size": 64}})
+
+
+print(config.layer_types)
+
+# %% [markdown]
+# ## 1. The paged cache on a real run
+#
+# The planner turns `memory.cache_bytes` into blocks and slots. One block id names the same token range
+# in every DSA layer's pools (latent + rope, index keys), so each sequence has a single block table. Each
+# running sequence owns one KDA slot: the fp32 state and conv tail of every KDA layer. Below: three prompts
+# admitted, a few steps run, then the engine's own bookkeeping.
+
+# %%
+engine = Engine(model, service(chunk=48))
+print(engine.plan.table())
+for length in (5, 40, 70):
+    engine.add_request(list(range(1, length + 1)), SamplingParams(max_tokens=8))
+for _ in range(3):
+    engine.step()
+for seq in engine.scheduler.running:
+    print(f"request {seq.request_id}: {seq.num_tokens} tokens, {seq.num_computed} in the pools, "
+          f"slot {seq.slot}, block table {seq.block_table}")
+print(engine.stats())
+while engine.has_unfinished():
+    engine.step()
+print("after the last request:", {k: engine.stats()[k] for k in ("blocks_used", "slots_used")})
+
+# %% [markdown]
+# ## 2. Chunked prefill: peak memory against chunk size
+#
+# A long prompt prefilled in chunks keeps only one chunk's activations alive at a time; the KDA state and
+# conv tail wait in the slot between chunks and the DSA keys in the blocks. `PeakMemory` counts the tensor
+# storage allocated during the steps, beyond the pools that were allocated before.
+
+# %%
+peaks = {}
+prompt = torch.randint(0, 256, (LONG_PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+for chunk in CHUNK_SIZES:
+    engine = Engine(model, service(chunk=chunk, max_num_seqs=1))
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    with PeakMemory() as memory:
+        while engine.has_unfinished():
+            engine.step()
+    peaks[chunk] = memory.peak_bytes
+    print(f"chunk {chunk:>5}: {engine.stats()['steps']:>3} steps, peak {format_bytes(memory.peak_bytes)} beyond "
+          f"the {format_bytes(engine.plan.total_bytes)} pools")
+
+# %% [markdown]
+# ## 3. What grows with context
+#
+# Per sequence, the DSA blocks grow with every token; the KDA slot is the same size at 10 tokens and at a
+# million. With 3 KDA layers for every DSA layer, most layers carry a constant-size state.
+
+# %%
+import plotly.graph_objects as go
+
+plan = Engine(model, service()).plan
+lengths = [2 ** k for k in range(4, 13)]
+fig = go.Figure([
+    go.Scatter(x=lengths, y=[-(-n // plan.block_size) * plan.block_bytes for n in lengths], name="DSA blocks"),
+    go.Scatter(x=lengths, y=[plan.slot_bytes] * len(lengths), name="KDA slot (state + conv)"),
+])
+fig.update_layout(title=f"Cache bytes of one sequence ({PRESET})", xaxis_type="log", yaxis_type="log",
+                  xaxis_title="tokens", yaxis_title="bytes")
+fig
+
+# %% [markdown]
+# ## 4. One run, prefills and decodes in the same steps
+#
+# Poisson arrivals of mixed-length prompts (a quarter with an image). Each step spends a token budget:
+# first one token for every running sequence that is decoding, then prefill chunks. There is no prefill
+# phase and no decode phase.
+
+# %%
+engine = Engine(model, service(chunk=128, prefix=True))
+requests = synthetic_workload(NUM_REQUESTS, rate=8.0, min_prompt=PROMPT_RANGE[0], max_prompt=PROMPT_RANGE[1],
+                              max_tokens=NEW_TOKENS, image_fraction=0.25, vocab_size=config.vocab_size, seed=0)
+outputs = run_workload(engine, requests)
+mixed = [s for s in engine.log.steps if s.prefill_tokens and s.decode_tokens]
+print(f"{len(engine.log.steps)} steps, {len(mixed)} of them mixed prefill and decode tokens")
+viz.timeline_figure(engine.log.steps, engine.block_manager.num_blocks)
+
+# %%
+from latentmoe_lab.serving.metrics import format_table, summarize
+
+print(format_table(summarize([o.metrics for o in outputs])))
+viz.latency_histograms([o.metrics for o in outputs])
+
+# %% [markdown]
+# ## 5. Preemption and prefix hits
+#
+# With too few blocks, the newest running sequence gives back its blocks and slot and is recomputed later
+# (prompt + the tokens it already generated). With prefix caching, a full block is named by a hash chain of
+# its tokens (and image contents); a hit also needs a KDA snapshot at the same length, taken at
+# block-aligned chunk ends. The greedy outputs are the same in every case.
+
+# %%
+prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (40, 60, 80, 100, 120, 140)]
+params = SamplingParams(max_tokens=16)
+roomy = Engine(model, service(max_model_len=256, chunk=256))
+seventeen_blocks = plan.pool_rows * plan.slot_bytes + 17 * plan.block_bytes  # one 256-token sequence + 1
+tight = Engine(model, service(max_model_len=256, chunk=256, cache_bytes=seventeen_blocks))
+reference = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+squeezed = [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+print(f"{tight.plan.num_blocks} blocks: {tight.stats()['preemptions']} preemptions, outputs equal: "
+      f"{squeezed == reference}")
+
+shared = torch.randint(0, 256, (SHARED_PREFIX,), generator=torch.Generator().manual_seed(7)).tolist()
+family = [shared + [i, i + 1, i + 2] for i in range(8)]
+for prefix in (False, True):
+    engine = Engine(model, service(chunk=256, prefix=prefix))
+    engine.generate(family[:1], params, use_tqdm=False)
+    rest = engine.generate(family[1:], params, use_tqdm=False)
+    stats = engine.stats()
+    print(f"prefix caching {'on ' if prefix else 'off'}: {stats['prefill_tokens']:>6} prefill tokens computed, "
+          f"{stats['prefix_hit_tokens']:>6} taken from the cache, mean TTFT of the 7 followers "
+          f"{sum(o.metrics.ttft for o in rest) / len(rest) * 1e3:.0f} ms")
+
+# %% [markdown]
+# ## 6. The full-scale table: one 1M-token sequence
+#
+# k3-2.8t has 24 Gated DSA layers and 69 KDA layers. Per DSA layer and token the cache holds the MLA
+# latent (512) and rope key (64), plus the indexer key (128), with a 4-byte scale per row in fp8. The KDA
+# state is 96 heads x 128 x 128 fp32 per layer, whatever the length. The public GQA example (80 layers,
+# 8 KV heads x 128, 1 byte) needs 163.8 GB for the same million tokens.
+
+# %%
+full = ModelConfig.from_preset("k3-2.8t")
+print(per_sequence_text(full, 1_000_000))
+
+# %% [markdown]
+# And the per-device plan of the public service example (TP 8 x EP 8 x PP 2, FP8): weights from the meta
+# device, caches from the planner. Nothing is allocated.
+
+# %%
+example = ServiceConfig.from_dict({
+    "model": {"name": "large-moe-model", "max_model_len": 1000000, "dtype": "fp8"},
+    "parallel": {"tensor_parallel_size": 8, "expert_parallel_size": 8, "pipeline_parallel_size": 2},
+    "memory": {"kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.92, "enable_paged_attention": True,
+               "max_num_seqs": 64},
+    "scheduler": {"max_batch_size": 256, "chunked_prefill": True, "prefill_chunk_size": 8192}})
+print(service_plan_text(example, full))
+
+# %% [markdown]
+# ## 7. Why the indexer cache must be counted
+#
+# The lightning indexer keeps its own key per token and DSA layer, next to the MLA latent. A planner that
+# sized blocks from the latent alone would hand out more blocks than fit: below, the bytes the indexer adds
+# per token, and how far a "latent-only" plan of a 90 GB budget overruns it once the index keys are written.
+
+# %%
+fp8 = per_sequence_bytes(full, 1, "fp8")
+latent_only, with_index = fp8["dsa_latent"], fp8["dsa_latent"] + fp8["dsa_index"]
+budget = 90e9
+tokens_planned = budget // latent_only
+print(f"per token, all DSA layers: latent {latent_only} B, + indexer {fp8['dsa_index']} B "
+      f"(+{fp8['dsa_index'] / latent_only:.0%})")
+print(f"latent-only plan of {format_bytes(budget)}: {tokens_planned:,.0f} tokens, which really need "
+      f"{format_bytes(tokens_planned * with_index)}: {format_bytes(tokens_planned * with_index - budget)} over")

@@ -1,0 +1,201 @@
+"""CLI and launcher hardening (issue 12, items 11-13): one-line errors, flags checked before any process
+starts, safe result loading, a loopback-only rendezvous store, and the tie-aware token check."""
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+import latentmoe_lab
+from latentmoe_lab import cli
+from latentmoe_lab.parallel import runs
+from latentmoe_lab.parallel.launch import launch
+from latentmoe_lab.parallel.parity import first_differences, parity_line
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail the test if a command gets as far as starting processes or building the smoke model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("processes were spawned before the flags were checked")
+
+    monkeypatch.setattr(runs, "launch", refuse)
+    monkeypatch.setattr("latentmoe_lab.smoke.LatentMoEForCausalLM",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("model built before the image check")))
+
+
+BAD_COMMANDS = {
+    "ep does not divide the experts": (["parallel", "--ep", "3"], "ep: 3 must divide"),
+    "ep zero": (["parallel", "--ep", "0"], "ep: must be a positive integer"),
+    "tp does not divide the heads": (["parallel", "--tp", "3"], "tp: 3 must divide"),
+    "more stages than layers": (["parallel", "--pp", "8"], "pp: 8 stages"),
+    "zero micro-batches": (["parallel", "--micro-batches", "0"], "micro_batches: must be a positive integer"),
+    "batch zero": (["parallel", "--ep", "2", "--batch", "0"], "batch: must be a positive integer"),
+    "seq-len zero": (["parallel", "--ep", "2", "--seq-len", "0"], "seq_len: must be a positive integer"),
+    "negative new tokens": (["parallel", "--ep", "2", "--new-tokens", "-1"], "new_tokens: must be a positive"),
+    "nproc mismatch": (["parallel", "--ep", "2", "--nproc", "3"], "--nproc"),
+    "longer than the context": (["parallel", "--ep", "2", "--seq-len", "5000"], "exceed max_position_embeddings"),
+    "smoke zero tokens": (["smoke", "--new-tokens", "0"], "new_tokens: must be >= 1"),
+    "smoke missing image": (["smoke", "--image", "/nonexistent.png"], "/nonexistent.png"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_COMMANDS)
+def test_bad_flags_print_one_line_and_exit_2_before_spawning(name, no_spawn, capsys):
+    argv, message = BAD_COMMANDS[name]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in captured.err
+    assert "launching" not in captured.err  # refused before any progress line claims a launch
+    assert errors[0].startswith(f"latentmoe-lab {argv[0]}: error: ")
+
+
+def test_debug_shows_the_traceback(no_spawn):
+    with pytest.raises(ValueError, match="ep: 3 must divide"):
+        cli.main(["--debug", "parallel", "--ep", "3"])
+    with pytest.raises(ValueError, match="ep: 3 must divide"):
+        cli.main(["parallel", "--ep", "3", "--debug"])  # after the subcommand too
+
+
+def test_every_subcommand_accepts_debug():
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        assert any("--debug" in action.option_strings for action in sub._actions), name
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and latentmoe_lab.__version__ in capsys.readouterr().out
+
+
+def test_parallel_module_outside_a_launcher_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                            "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "latentmoe_lab.parallel", "--ep", "2"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "torchrun --nproc-per-node" in done.stderr and "latentmoe-lab parallel" in done.stderr
+
+
+def test_run_settings_refuse_bad_values():
+    for bad in (dict(batch=0), dict(seq_len=0), dict(new_tokens=0), dict(seed=-1), dict(timeout_s=0),
+                dict(preset="k3-2.8t"), dict(tie_margin=float("nan")), dict(batch=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            runs.RunSettings(**bad)
+
+
+def test_explicit_batch_and_length_are_kept():
+    pconfig = runs.ParallelConfig(ep=2)
+    assert runs.default_settings(pconfig, batch=6, seq_len=17).batch == 6
+    with pytest.raises(ValueError, match="batch"):
+        runs.default_settings(pconfig, batch=0)
+
+
+# ---------------------------------------------------------------- launcher (two real 2-process launches)
+class _NotATensor:
+    pass
+
+
+def _store_listeners():
+    from latentmoe_lab.parallel.mesh import init_distributed
+
+    init_distributed(20)
+    port = int(os.environ["MASTER_PORT"])
+    listening = [c.laddr.ip for c in psutil.Process(os.getppid()).net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    return {"port": port, "listening": listening, "tensor": torch.arange(3)}
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_rendezvous_store_listens_on_loopback_only(start_method):
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    results = launch(_store_listeners, 2, timeout_s=90, start_method=start_method)
+    assert signal.getsignal(signal.SIGINT) is before  # the elastic agent's handlers do not outlive the launch
+    for result in results:
+        assert result["listening"] == ["127.0.0.1"]
+        assert torch.equal(result["tensor"], torch.arange(3))
+
+
+def test_kernels_spawn_and_scripts_fork(monkeypatch):
+    import importlib
+    import types
+
+    launch_module = importlib.import_module("latentmoe_lab.parallel.launch")  # the package exports launch()
+
+    assert not launch_module.inside_kernel()
+    shell = types.SimpleNamespace(kernel=object())
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    assert launch_module.inside_kernel()
+    chosen = []
+    monkeypatch.setattr(launch_module, "_start", lambda entry, args, nproc, port, method: chosen.append(method))
+    with pytest.raises(launch_module.RankFailure):  # the stub starts nothing, so no rank reports
+        launch(_unsafe_result, 2, timeout_s=5)
+    assert chosen == ["spawn"]
+    with pytest.raises(ValueError, match="start_method"):
+        launch(_unsafe_result, 2, start_method="forkserver")
+
+
+def _unsafe_result():
+    return _NotATensor()
+
+
+def test_results_are_loaded_with_weights_only():
+    with pytest.raises(TypeError, match="rank 0 returned a value that is not safe to load"):
+        launch(_unsafe_result, 2, timeout_s=60)
+
+
+# ---------------------------------------------------------------- tie-aware token check
+def _tokens(rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_first_difference_at_a_near_tie_is_reported_with_its_margin():
+    prompt = [[1, 2], [3, 4]]
+    reference = _tokens([p + g for p, g in zip(prompt, [[5, 6, 7], [8, 9, 10]])])
+    layout = _tokens([p + g for p, g in zip(prompt, [[5, 6, 7], [8, 11, 12]])])  # row 1 differs at step 1
+    logits = torch.zeros(2, 3, 16)
+    logits[1, 1, 11] = -3e-6  # the reference barely preferred 9 over 11
+    diffs = first_differences(reference, layout, logits, prompt_len=2, tie_margin=1e-4)
+    assert [(d.row, d.step, d.reference_token, d.layout_token, d.is_tie) for d in diffs] == [(1, 1, 9, 11, True)]
+    assert diffs[0].margin == pytest.approx(3e-6, rel=1e-3)
+    line = parity_line(diffs, 1e-4)
+    assert "equal up to near-ties" in line and "margin 3.00e-06" in line and "<= 1e-04" in line
+    report = runs.LayoutReport("EP2", runs.ParallelConfig(ep=2), 0.0, False, [{}], [{}], [{}],
+                               token_differences=[d.__dict__ for d in diffs])
+    assert report.tokens_match and not report.tokens_equal and runs.report_ok(report)
+    assert "tie-aware" in runs.layout_summary(report)
+
+
+def test_a_clear_preference_is_not_a_tie():
+    reference, layout = _tokens([[1, 5, 6]]), _tokens([[1, 7, 6]])
+    logits = torch.zeros(1, 2, 16)
+    logits[0, 0, 5] = 0.5
+    diffs = first_differences(reference, layout, logits, prompt_len=1, tie_margin=1e-4)
+    assert len(diffs) == 1 and not diffs[0].is_tie and diffs[0].margin == pytest.approx(0.5)
+    report = runs.LayoutReport("EP2", runs.ParallelConfig(ep=2), 0.0, False, [{}], [{}], [{}],
+                               token_differences=[d.__dict__ for d in diffs])
+    assert not report.tokens_match and not runs.report_ok(report)
+    assert "generated tokens differ" in runs.layout_summary(report)
+
+
+def test_equal_tokens_need_no_logits():
+    tokens = _tokens([[1, 2, 3]])
+    assert first_differences(tokens, tokens.clone(), torch.zeros(1, 2, 4), prompt_len=1) == []
+    assert parity_line([], 1e-4) == "generated tokens equal: True"
+
+
+def test_one_process_batch_change_is_judged_by_the_reference_margin():
+    """The same model, prompt rows run alone vs batched: any greedy difference must sit at a near-tie."""
+    model, prompt = runs.build_reference(runs.RunSettings(batch=4, seq_len=24, new_tokens=4))
+    batched = model.generate(prompt, max_new_tokens=4)
+    alone = torch.cat([model.generate(prompt[i:i + 1], max_new_tokens=4) for i in range(prompt.shape[0])])
+    logits = runs.reference_step_logits(model, batched, prompt.shape[1])
+    assert logits.shape == (4, 4, model.config.vocab_size)
+    assert all(d.is_tie for d in first_differences(batched, alone, logits, prompt.shape[1]))

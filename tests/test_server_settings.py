@@ -1,0 +1,45 @@
+"""The service file's `server:` section and the serve command's checks (docs/design.md §10)."""
+import pytest
+
+from latentmoe_lab.cli import main
+from latentmoe_lab.server.loading import load_model, with_checkpoint
+from latentmoe_lab.server.settings import ServerSettings, load_service_file, split_service_dict
+
+
+def test_server_section_is_split_off_and_checked():
+    config, settings = split_service_dict({"model": {"preset": "tiny"}, "server": {"max_retries": 5}})
+    assert config.model.preset == "tiny" and settings.max_retries == 5 and settings == ServerSettings(max_retries=5)
+    assert split_service_dict({"model": {"preset": "tiny"}})[1] == ServerSettings()
+    for bad, match in [({"max_retry": 1}, r"server\.max_retry: unknown key"),
+                       ({"max_retries": -1}, r"server\.max_retries: must be an integer >= 0"),
+                       ({"max_retries": True}, r"server\.max_retries"),
+                       ({"step_timeout_s": 0}, r"server\.step_timeout_s"),
+                       ({"max_body_bytes": "1MB"}, r"server\.max_body_bytes")]:
+        with pytest.raises(ValueError, match=match):
+            split_service_dict({"server": bad})
+    with pytest.raises(ValueError, match=r"scheduler\.nope"):
+        split_service_dict({"scheduler": {"nope": 1}})
+
+
+def test_shipped_config_loads_and_checkpoint_replaces_preset(tmp_path):
+    config, settings = load_service_file("configs/service-cpu.yaml")
+    assert config.model.preset and settings == ServerSettings()
+    replaced = with_checkpoint(config, str(tmp_path))
+    assert replaced.model.checkpoint == str(tmp_path) and replaced.model.preset is None
+    with pytest.raises(ValueError, match="--config"):
+        load_service_file(tmp_path / "missing.yaml")
+
+
+def test_preset_weights_are_reproducible_across_reloads():
+    config, _ = split_service_dict({"model": {"preset": "tiny", "seed": 3}})
+    a, b = load_model(config), load_model(config)
+    assert all((x == y).all() for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ValueError, match="model.dtype"):
+        load_model(split_service_dict({"model": {"preset": "tiny", "dtype": "fp8"}})[0])
+
+
+def test_serve_refuses_bad_flags(tmp_path, capsys):
+    assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "--config" in capsys.readouterr().err
+    assert main(["serve", "--config", "configs/service-cpu.yaml", "--port", "0"]) == 2
+    assert "--port" in capsys.readouterr().err
