@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
-OUTSIDE = ("../shared", "shared/DESIGN", "/work/shared")
+OUTSIDE = ("../" + "shared", "shared/" + "DESIGN", "/work/" + "shared")  # split so this file does not match itself
 CITATION = re.compile(r"docs/design\.md,? §(\d+(?:\.\d+)?)")
 
 

@@ -113,6 +113,12 @@ def kda_chunked(
     if resolve_backend(backend, q, k, v, g, beta, initial_state) == "triton":
         from latentmoe_kernels.kda import kda_chunked as kda_chunked_triton
         return kda_chunked_triton(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    return run_chunk_groups(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, _chunk_group)
+
+
+def run_chunk_groups(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, chunk_size: int,
+                     run_group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The group loop of `kda_chunked` on validated inputs; `run_group` is `_chunk_group` or a compiled twin of it."""
     batch, seq_len, heads, dim_k = q.shape
     dim_v, out_dtype = v.shape[-1], v.dtype
     named = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
@@ -127,7 +133,7 @@ def kda_chunked(
     outputs = []
     for first in range(0, seq_len, group):
         pieces = (t[:, first:first + group] for t in (q, k, v, g, beta))
-        out, state = _chunk_group(*pieces, state, scale, chunk_size)
+        out, state = run_group(*pieces, state, scale, chunk_size)
         outputs.append(out)
     out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
     state = rearrange(state, "(b h) k v -> b h k v", b=batch)

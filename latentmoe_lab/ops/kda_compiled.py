@@ -19,10 +19,8 @@ import functools
 import types
 
 import torch
-from einops import rearrange
-
 from latentmoe_lab.ops import kda as kda_ops
-from latentmoe_lab.ops.kda import GROUP_ROWS, _chunk_group, _start_state, _validate
+from latentmoe_lab.ops.kda import _chunk_group, _validate, run_chunk_groups
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -49,20 +47,5 @@ def kda_chunked_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     scale = _validate(q, k, v, g, beta, scale, initial_state)
-    batch, seq_len, heads, dim_k = q.shape
-    dim_v, out_dtype = v.shape[-1], v.dtype
-    named = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in named) else torch.float32
-    state = _start_state(initial_state, batch, heads, dim_k, dim_v, q.device, dtype)
-    if seq_len == 0:
-        return v.new_zeros(batch, 0, heads, dim_v), state if output_final_state else None
-    state = rearrange(state, "b h k v -> (b h) k v")
-    group = max(1, GROUP_ROWS // (batch * heads * chunk_size)) * chunk_size
-    run_group = _compiled_group(compile_backend)
-    outputs = []
-    for first in range(0, seq_len, group):
-        out, state = run_group(*(t[:, first:first + group] for t in (q, k, v, g, beta)), state, scale, chunk_size)
-        outputs.append(out)
-    out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-    state = rearrange(state, "(b h) k v -> b h k v", b=batch)
-    return out.to(out_dtype), state if output_final_state else None
+    return run_chunk_groups(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size,
+                            _compiled_group(compile_backend))
