@@ -26,6 +26,7 @@ from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.norms import l2_norm
+from latentmoe_lab.ops.precision import at_least_fp32
 from latentmoe_lab.paged_pools import KDAPool
 
 # Initial per-step decay rate dt = softplus(dt_bias), log-uniform in this range (as in Mamba):
@@ -86,10 +87,10 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-space decay g [B, T, H, d_k] in fp32: in [lower_bound, 0] or, for "softplus", <= 0."""
-        logits = rearrange(self.f_up(self.f_down(x)).float() + self.dt_bias.float(),
+        """Log-space decay g [B, T, H, d_k] in at least fp32: in [lower_bound, 0] or, for "softplus", <= 0."""
+        logits = rearrange(at_least_fp32(self.f_up(self.f_down(x))) + at_least_fp32(self.dt_bias),
                            "b t (h d) -> b t h d", h=self.num_heads)
-        rate = self.A_log.float().exp()[:, None]  # [H, 1]
+        rate = at_least_fp32(self.A_log).exp()[:, None]  # [H, 1]
         if self.gate_form == "lower_bound":
             return self.gate_lower_bound * torch.sigmoid(rate * logits)
         return -rate * F.softplus(logits)
@@ -146,7 +147,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads)
                    for t in qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1))
         q, k = l2_norm(q, eps=1e-6), l2_norm(k, eps=1e-6)
-        return q, k, v, self.forget_gate(x), torch.sigmoid(self.b_proj(x).float())
+        return q, k, v, self.forget_gate(x), torch.sigmoid(at_least_fp32(self.b_proj(x)))
 
     def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """KDA output [B, T, H, d_v] -> W_o [RMSNorm_head(out) * sigmoid(W_g x)] [B, T, hidden]."""

@@ -1,0 +1,148 @@
+"""Build this rank's share of the model on torch's engine, without ever holding the whole model.
+
+    1. build LatentMoEForCausalLM on the meta device (no memory);
+    2. pp > 1: keep this stage's blocks (PipelineStageModule);
+    3. tp > 1: parallelize_module plans (tensor_plan.py); ep > 1: experts split (expert.py);
+    4. FSDP2: fully_shard each block and the root over "data" (dp_shard x ep), the experts over
+       dp_shard alone (they are already split over ep), with the layout's mixed-precision policy;
+    5. to_empty: allocate the local shards only;
+    6. fill them: from a save_pretrained directory through torch.distributed.checkpoint's
+       HuggingFaceStorageReader, which reads each rank's slices out of the safetensors files,
+       or with a fresh seeded initialisation of the local shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.layers.moe import LatentMoE
+from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.native.expert import apply_expert_parallel
+from latentmoe_lab.native.layout import PARAM_DTYPES, NativeLayout
+from latentmoe_lab.native.stage import PipelineStageModule, named_blocks
+from latentmoe_lab.native.tensor_plan import apply_tensor_parallel
+from latentmoe_lab.parallel.pipeline import partition_layers
+
+
+@dataclass
+class NativeModel:
+    """One rank's module (the full model class, or a pipeline stage) and where it sits."""
+
+    module: nn.Module
+    layout: NativeLayout
+    mesh: object
+    stage_layers: list[range]  # per pp stage, its global layer indices
+    dtype: torch.dtype = torch.float32  # of the stored (sharded) parameters
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: FSDP2's param_dtype where FSDP2 runs (more than one data shard) and casts."""
+        cast = PARAM_DTYPES[self.layout.param_dtype]
+        return cast if cast is not None and self.layout.data_shards > 1 else self.dtype
+
+    def reshard(self) -> None:
+        """Free every FSDP2 unit's gathered parameters (the root keeps them after a forward)."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.mesh["pp"].get_local_rank() == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.mesh["pp"].get_local_rank() == self.layout.pp - 1
+
+
+def expert_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for _, block in named_blocks(module) if isinstance(block.ffn, LatentMoE)
+            for p in block.ffn.experts.parameters()]
+
+
+def apply_fsdp(module: nn.Module, mesh, layout: NativeLayout) -> None:
+    """fully_shard blocks and root over "data"; experts over dp_shard (or left to the train step)."""
+    cast = PARAM_DTYPES[layout.param_dtype]
+    policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32 if cast is not None else None)
+    experts = set(expert_params(module))
+    if layout.dp_shard > 1:
+        for _, block in named_blocks(module):
+            if isinstance(block.ffn, LatentMoE):
+                # averaged over dp_shard here; the train step divides by ep (gloo has no PREMUL_SUM for
+                # set_gradient_divide_factor, and the same division then serves the layouts without FSDP)
+                fully_shard(block.ffn.experts, mesh=mesh["dp_shard"], mp_policy=policy)
+        experts = set()
+    if layout.data_shards == 1:
+        return
+    for _, block in named_blocks(module):
+        fully_shard(block, mesh=mesh["data"], mp_policy=policy, ignored_params=experts or None)
+    # the root unit (embeddings, final norm, head) is needed again right away in backward: keep it gathered
+    fully_shard(module, mesh=mesh["data"], mp_policy=policy, reshard_after_forward=False,
+                ignored_params=experts or None)
+
+
+def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: str | Path | None = None,
+                 seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> NativeModel:
+    """This rank's model under `layout` on `mesh` (layout.build_mesh), loaded from `checkpoint` or freshly seeded.
+
+    dtype: of the stored parameters (fp32 masters; fp64 for the equivalence checks).
+    """
+    layout.validate_for(config, mesh.size())
+    with torch.device("meta"):
+        full = LatentMoEForCausalLM(config).to(dtype)
+    stages = partition_layers(config, layout.pp, full)
+    stage = mesh["pp"].get_local_rank()
+    module = full if layout.pp == 1 else PipelineStageModule(full, stages[stage], stage == 0, stage == layout.pp - 1)
+    if layout.tp > 1:
+        apply_tensor_parallel(module, mesh["tp"])
+    if layout.ep > 1:
+        apply_expert_parallel(module, mesh["ep"])
+    apply_fsdp(module, mesh, layout)
+    module.to_empty(device=device)
+    if checkpoint is not None:
+        load_local_shards(module, checkpoint)
+    else:
+        initialise_local_shards(module, seed + mesh.get_rank())
+    return NativeModel(module, layout, mesh, stages, dtype)
+
+
+@torch.no_grad()
+def initialise_local_shards(module: nn.Module, seed: int) -> None:
+    """A fresh start without a checkpoint: each rank draws its own local shards (normal(0, std), norms 1).
+
+    Not the single-process initialisation (that would need the whole tensor); the equivalence tests
+    start every layout from one checkpoint instead.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    std = module.config.initializer_range
+    for name, param in module.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and leaf in ("weight",):
+            local.fill_(1.0)
+        elif leaf == "bias" or leaf == "A_log" or leaf == "dt_bias":
+            local.copy_(torch.zeros_like(local) if leaf == "bias" else
+                        (torch.rand(local.shape, generator=generator) * 15 + 1).log() if leaf == "A_log" else
+                        torch.full_like(local, -4.6))  # softplus(-4.6) = 0.01, inside dt's init range
+        else:
+            local.copy_(torch.randn(local.shape, generator=generator) * std)
+    for name, buffer in module.named_buffers():
+        buffer.zero_()  # correction_bias
+
+
+def load_local_shards(module: nn.Module, checkpoint: str | Path) -> None:
+    """Fill the (allocated, empty) local shards from a save_pretrained directory, reading only their slices."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    options = StateDictOptions(strict=True)
+    state = get_model_state_dict(module, options=options)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(checkpoint)))
+    set_model_state_dict(module, state, options=options)

@@ -1,0 +1,131 @@
+"""Does a native layout compute what one process computes? Logits, and parameters after training steps.
+
+    report = check_layouts([NativeLayout(tp=2, ep=2)], nproc=4)   # one launch per world size
+
+Every run starts from one seeded checkpoint (save_pretrained) and one seeded global batch. The
+reference trains the plain single-device model with the same AdamW, clipping and bias update on
+the whole batch; each layout gathers its parameters (DTensor.full_tensor) after the same steps.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.layers.moe import LatentMoE
+from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.native.layout import NativeLayout
+
+
+@dataclass(frozen=True)
+class EquivalenceSettings:
+    preset: str = "tiny"
+    batch: int = 4
+    seq_len: int = 32
+    steps: int = 3
+    lr: float = 1e-3
+    grad_clip: float = 1.0
+    seed: int = 0
+    timeout_s: float = 240.0
+    # fp64: Adam's first steps are nearly sign(g), so fp32 summation-order noise in a gradient near 0
+    # moves a weight by up to lr; in fp64 any real difference (a missing reduction: about lr) still shows.
+    dtype: str = "float64"
+
+
+@dataclass
+class EquivalenceReport:
+    layout: str
+    max_logit_error: float
+    max_param_error: float
+    losses: list[float]
+    reference_losses: list[float]
+    compared_params: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def training_batches(config: ModelConfig, settings: EquivalenceSettings) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    return [torch.randint(0, config.vocab_size, (settings.batch, settings.seq_len), generator=generator)
+            for _ in range(settings.steps)]
+
+
+def write_reference_checkpoint(settings: EquivalenceSettings, directory: Path) -> LatentMoEForCausalLM:
+    torch.manual_seed(settings.seed)
+    model = LatentMoEForCausalLM(ModelConfig.from_preset(settings.preset)).to(getattr(torch, settings.dtype))
+    model.save_pretrained(directory)
+    return model
+
+
+def train_reference(model: LatentMoEForCausalLM, batches: list[torch.Tensor], settings: EquivalenceSettings):
+    """The one-process run: logits of the first batch, then `steps` updates -> (logits, losses, params)."""
+    with torch.no_grad():
+        logits = model(batches[0]).logits
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0, foreach=False)
+    moe = [block.ffn for block in model.layers if isinstance(block.ffn, LatentMoE)]
+    losses, norms = [], []
+    for ids in batches:
+        model.train()
+        output = model(ids, labels=ids)
+        (output.loss + output.aux_loss).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for layer in moe:
+            layer.update_bias(layer.last_expert_counts)
+        losses.append(float(output.loss))
+    return logits, losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def layout_worker(layout: NativeLayout, settings: EquivalenceSettings, checkpoint: str) -> dict:
+    """On each rank: build from the checkpoint, forward the first batch, train; return gathered tensors."""
+    from latentmoe_lab.native.build import build_native
+    from latentmoe_lab.native.layout import build_mesh
+    from latentmoe_lab.native.forward import native_logits
+    from latentmoe_lab.native.train import NativeTrainer
+    from latentmoe_lab.parallel.mesh import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(settings.timeout_s / 2)
+    config = ModelConfig.from_preset(settings.preset)
+    native = build_native(config, layout, build_mesh(layout), checkpoint=checkpoint,
+                          dtype=getattr(torch, settings.dtype))
+    batches = training_batches(config, settings)
+    logits = native_logits(native, batches[0])
+    trainer = NativeTrainer(native, lr=settings.lr, grad_clip=settings.grad_clip)
+    steps = [trainer.step(ids) for ids in batches]
+    params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for name, p in native.module.named_parameters()}
+    return {"logits": logits, "losses": [s["loss"] for s in steps], "grad_norms": [s["grad_norm"] for s in steps],
+            "params": params}
+
+
+def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = EquivalenceSettings()
+                  ) -> list[EquivalenceReport]:
+    """Run each layout (all of one world size) and compare with the one-process reference."""
+    from latentmoe_lab.parallel.launch import launch
+
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = Path(tmp) / "reference"
+        model = write_reference_checkpoint(settings, checkpoint)
+        batches = training_batches(model.config, settings)
+        ref_logits, ref_losses, ref_norms, ref_params = train_reference(model, batches, settings)
+        for layout in layouts:
+            results = launch(layout_worker, layout.world_size, args=(layout, settings, str(checkpoint)),
+                             timeout_s=settings.timeout_s)
+            logit_error = max(float((r["logits"] - ref_logits).abs().max()) for r in results if r["logits"] is not None)
+            param_error, compared, worst = 0.0, 0, None
+            for r in results:
+                for name, value in r["params"].items():
+                    error = float((value - ref_params[name]).abs().max())
+                    if error > param_error:
+                        param_error, worst = error, name
+                    compared += 1
+            reports.append(EquivalenceReport(layout.name, logit_error, param_error, results[0]["losses"],
+                                             ref_losses, compared,
+                                             {"worst_param": worst, "grad_norms": results[0]["grad_norms"], "reference_grad_norms": ref_norms}))
+    return reports
