@@ -129,3 +129,40 @@ def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = E
                                              ref_losses, compared,
                                              {"worst_param": worst, "grad_norms": results[0]["grad_norms"], "reference_grad_norms": ref_norms}))
     return reports
+
+
+def hand_written_worker(pairs: list, settings: EquivalenceSettings, checkpoint: str) -> list[float]:
+    """Per rank: logits of each (ParallelConfig, NativeLayout) pair through both engines -> max |difference|."""
+    from latentmoe_lab.native.build import build_native
+    from latentmoe_lab.native.forward import native_logits
+    from latentmoe_lab.native.layout import build_mesh
+    from latentmoe_lab.parallel.comm import Comm
+    from latentmoe_lab.parallel.mesh import ProcessMesh, init_distributed
+    from latentmoe_lab.parallel.sharded import parallelize
+
+    torch.set_num_threads(1)
+    _, device = init_distributed(settings.timeout_s / 2)
+    config = ModelConfig.from_preset(settings.preset)
+    model = LatentMoEForCausalLM.from_pretrained(checkpoint).eval()
+    batch = training_batches(config, settings)[0]
+    differences = []
+    for pconfig, layout in pairs:
+        sharded = parallelize(model, Comm(ProcessMesh(pconfig, device)))
+        local = sharded.local_inputs(batch)
+        hand_written = sharded.gather_logits(sharded(local), local.shape[0], local.shape[1])
+        native = native_logits(build_native(config, layout, build_mesh(layout), checkpoint=checkpoint), batch)
+        differences.append(float((native - hand_written).abs().max()))
+    return differences
+
+
+def compare_with_hand_written(pairs: list, settings: EquivalenceSettings = EquivalenceSettings(dtype="float32")
+                              ) -> list[float]:
+    """Max |native logits - parallel/ logits| per (ParallelConfig, NativeLayout) pair, all of one world size."""
+    from latentmoe_lab.parallel.launch import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = Path(tmp) / "reference"
+        write_reference_checkpoint(settings, checkpoint)
+        results = launch(hand_written_worker, pairs[0][1].world_size, args=(pairs, settings, str(checkpoint)),
+                         timeout_s=settings.timeout_s)
+    return [max(r[i] for r in results) for i in range(len(pairs))]

@@ -31,7 +31,9 @@ class ExpertCounts:
     """Sums each MoE layer's routed (token, expert) counts over every forward of a step (micro-batches too)."""
 
     def __init__(self, module):
-        self.layers = [block.ffn for _, block in named_blocks(module) if isinstance(block.ffn, LatentMoE)]
+        moe = [(i, block.ffn) for i, block in named_blocks(module) if isinstance(block.ffn, LatentMoE)]
+        self.layer_ids = [i for i, _ in moe]
+        self.layers = [layer for _, layer in moe]
         self.totals = [torch.zeros(layer.num_experts, dtype=torch.int64) for layer in self.layers]
         for layer, total in zip(self.layers, self.totals):
             layer.register_forward_hook(self._adder(total))
@@ -74,14 +76,20 @@ def clip_global_norm(native: NativeModel, max_norm: float) -> torch.Tensor:
 
 
 class NativeTrainer:
-    """AdamW training of a NativeModel; `step(batch)` with the global batch [B, T] -> {"loss", "grad_norm"}."""
+    """AdamW training of a NativeModel; `step(batch)` with the global batch [B, T] -> {"loss", "grad_norm", "counts"}.
 
-    def __init__(self, native: NativeModel, lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0):
+    counts [L, E]: every MoE layer's (token, expert) counts of the step, summed over the data ranks.
+    """
+
+    def __init__(self, native: NativeModel, lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0,
+                 betas: tuple[float, float] = (0.9, 0.999)):
         self.native, self.grad_clip = native, grad_clip
         native.reshard()  # the optimizer must hold the sharded parameters, not a gathered copy
+        params = list(native.module.parameters())
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},  # as training/lm.py
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         # foreach=False: the parameters live on several meshes (data, tp, ep), which foreach kernels refuse
-        self.optimizer = torch.optim.AdamW(native.module.parameters(), lr=lr, weight_decay=weight_decay,
-                                           foreach=False)
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
         self.counts = ExpertCounts(native.module)
         self.experts = expert_params(native.module)
         self.schedule, self.schedule_shape = None, None
@@ -98,9 +106,21 @@ class NativeTrainer:
         grad_norm = clip_global_norm(native, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.counts.update_biases(native.mesh["data"].get_group())
+        counts = self.counts.update_biases(native.mesh["data"].get_group())
         dist.all_reduce(loss, group=native.mesh["data"].get_group())
-        return {"loss": float(loss) / native.layout.data_shards, "grad_norm": float(grad_norm)}
+        if native.layout.pp > 1:  # every stage reports every MoE layer's counts
+            counts = self._all_stage_counts(counts)
+        return {"loss": float(loss) / native.layout.data_shards, "grad_norm": float(grad_norm), "counts": counts}
+
+    def _all_stage_counts(self, stage_counts: torch.Tensor) -> torch.Tensor:
+        """This stage's [L_stage, E] counts -> [L, E] over all MoE layers of the model (summed over pp)."""
+        config = self.native.module.config
+        moe_ids = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+        counts = torch.zeros(len(moe_ids), config.moe.num_experts, dtype=torch.int64)
+        for row, layer_id in zip(stage_counts, self.counts.layer_ids):
+            counts[moe_ids.index(layer_id)] = row
+        dist.all_reduce(counts, group=self.native.mesh["pp"].get_group())
+        return counts
 
     def _forward_backward(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's CE loss (fp32 scalar, the same on every pipeline stage), after backward."""

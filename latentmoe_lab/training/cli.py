@@ -31,7 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="stop after this step with a checkpoint, as if interrupted (continue with --resume)")
     parser.add_argument("--out", default="runs/train", help="output directory (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    parser.add_argument("--nproc", type=int, default=1, help="data-parallel local processes over gloo (default: 1)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local processes over gloo: data-parallel ones (default: 1), or with the flags below "
+                             "their product (the default then)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights and the data order (default: 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     parser.add_argument("--corpus-root", default=None, metavar="DIR",
@@ -41,6 +43,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--sample-tokens", type=int, default=200,
                         help="greedy bytes generated after the run (default: 200; 0: none)")
     parser.add_argument("--no-guard", action="store_true", help="do not check activations and gradients for NaN/inf")
+    native = parser.add_argument_group(
+        "torch's distributed engine (docs/design.md §11)",
+        "Any of these > 1 trains on torch's DeviceMesh / DTensor / FSDP2 (latentmoe_lab/native) on "
+        "fsdp x ep x tp x pp local processes: a sharded pickle-free checkpoint in OUT/checkpoint, plain "
+        "safetensors in OUT/export. Example: --nproc 4 --fsdp 2 --ep 2")
+    for flag, what in (("fsdp", "FSDP2 shards (dp_shard)"), ("ep", "expert-parallel ranks"),
+                       ("tp", "tensor-parallel ranks"), ("pp", "pipeline stages")):
+        native.add_argument(f"--{flag}", type=int, default=1, help=f"{what} (default: 1)")
+    native.add_argument("--init-from", default=None, metavar="DIR",
+                        help="start from this save_pretrained directory (each rank reads only its slices)")
+    native.add_argument("--micro-batches", type=int, default=2, help="pipeline micro-batches per step (default: 2)")
+    native.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"), help="pipeline schedule")
+    native.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="FSDP2 mixed precision: the dtype parameters are gathered and used in (default: fp32)")
     parser.set_defaults(func=run)
     return parser
 
@@ -51,14 +67,38 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
               for name in ("steps", "batch", "seq_len", "lr", "warmup")}
     return TrainSettings(preset=args.preset, eval_every=args.eval_every, eval_rows=args.eval_rows,
                          save_every=args.save_every, stop_at=args.stop_at, out=args.out, resume=args.resume,
-                         nproc=args.nproc, seed=args.seed, threads=args.threads, guard=not args.no_guard,
+                         nproc=_nproc(args), seed=args.seed, threads=args.threads, guard=not args.no_guard,
                          corpus_root=args.corpus_root, held_out_fraction=args.held_out_fraction,
                          sample_tokens=args.sample_tokens, **chosen)
 
 
+def _nproc(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return args.nproc
+    layout = native_layout_from_args(args)
+    return layout.world_size if layout is not None else 1
+
+
+def native_layout_from_args(args: argparse.Namespace):
+    """The NativeLayout the flags ask for, or None for the plain (accelerate) run."""
+    from latentmoe_lab.native.layout import NativeLayout
+
+    layout = NativeLayout(dp_shard=args.fsdp, ep=args.ep, tp=args.tp, pp=args.pp, micro_batches=args.micro_batches,
+                          schedule=args.schedule, param_dtype=args.param_dtype)
+    return layout if layout.world_size > 1 else None
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)  # a bad flag raises ValueError; cli.main prints it, exit status 2
-    history = train(settings)
+    layout = native_layout_from_args(args)
+    if layout is None and args.init_from is not None:
+        raise ValueError("init_from: only with --fsdp/--ep/--tp/--pp > 1 (the plain run starts from --seed)")
+    if layout is not None:
+        from latentmoe_lab.native.run import train_native
+
+        history = train_native(settings, layout, init_from=args.init_from)
+    else:
+        history = train(settings)
     if history.eval:
         step, loss, bpb = history.eval[-1]
         print(f"held-out after step {int(step)}: loss {loss:.4f} nats = {bpb:.3f} bits per byte "
@@ -67,5 +107,6 @@ def run(args: argparse.Namespace) -> int:
           f"({history.tokens_seen / max(history.seconds, 1e-9):,.0f} tokens/s)")
     if history.sample:
         print("greedy sample:\n" + history.sample)
-    print(f"outputs: {settings.out}/trainer_state.json, {settings.out}/report.html, {settings.out}/checkpoint")
+    exported = f", {settings.out}/export (safetensors)" if layout is not None else ""
+    print(f"outputs: {settings.out}/trainer_state.json, {settings.out}/report.html, {settings.out}/checkpoint{exported}")
     return 0

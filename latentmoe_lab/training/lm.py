@@ -226,7 +226,7 @@ def _run(settings: TrainSettings) -> dict:
     if main and history.step == settings.steps and settings.sample_tokens:
         history.sample = greedy_sample(inner, settings.sample_tokens)
     if main and out is not None:
-        _write_outputs(out, history, settings, config)
+        write_outputs(out, history, settings, config)
     return asdict(history)
 
 
@@ -277,11 +277,11 @@ def _save(accelerator, model, optimizer, scheduler, history, settings, out: Path
         tensors, body = trainer_state.trainer_files(history.step, optimizer.optimizer if hasattr(
             optimizer, "optimizer") else optimizer, scheduler, {"history": asdict(history), "settings": asdict(settings)})
         save_checkpoint(model, out / CHECKPOINT_DIR, extra_tensors=tensors, extra_json=body)
-        _write_outputs(out, history, settings, model.config)
+        write_outputs(out, history, settings, model.config)
     accelerator.wait_for_everyone()
 
 
-def _write_outputs(out: Path, history: History, settings: TrainSettings, config: ModelConfig) -> None:
+def write_outputs(out: Path, history: History, settings: TrainSettings, config: ModelConfig) -> None:
     from latentmoe_lab.training.summary import write_training_report
 
     out.mkdir(parents=True, exist_ok=True)

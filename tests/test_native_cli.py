@@ -1,0 +1,64 @@
+"""`latentmoe-lab train --fsdp/--ep/--tp/--pp`: torch's engine follows the plain run, resumes, exports."""
+import json
+import math
+import sysconfig
+
+import pytest
+import torch
+
+from latentmoe_lab import LatentMoEForCausalLM
+from latentmoe_lab.cli import main
+from latentmoe_lab.native.layout import NativeLayout
+from latentmoe_lab.native.run import train_native
+from latentmoe_lab.training.lm import TrainSettings, train
+
+SMALL_CORPUS = dict(corpus_root=sysconfig.get_paths()["stdlib"] + "/json", held_out_fraction=0.3)
+
+
+def _settings(**changes) -> TrainSettings:
+    base = dict(preset="tiny", steps=4, batch=4, seq_len=32, lr=3e-3, warmup=2, eval_every=2, eval_rows=4,
+                sample_tokens=0, threads=1, timeout_s=300, **SMALL_CORPUS)
+    return TrainSettings(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """The weights the plain run starts from (seed 0), as a save_pretrained directory."""
+    directory = tmp_path_factory.mktemp("start") / "weights"
+    torch.manual_seed(0)
+    LatentMoEForCausalLM(_settings().model_config()).save_pretrained(directory)
+    return directory
+
+
+def test_fsdp_x_ep_training_follows_the_plain_run_and_exports(tmp_path, start):
+    plain = train(_settings())
+    native = train_native(_settings(nproc=4, out=str(tmp_path)), NativeLayout(dp_shard=2, ep=2), init_from=start)
+    assert native.train_loss == pytest.approx(plain.train_loss, abs=1e-4, rel=0)
+    assert [row[1] for row in native.eval] == pytest.approx([row[1] for row in plain.eval], abs=1e-4, rel=0)
+    assert native.expert_load == plain.expert_load  # the same routing counts, summed over the data ranks
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["step"] == 4 and all(math.isfinite(x) for x in state["train_loss"])
+    exported = LatentMoEForCausalLM.from_pretrained(tmp_path / "export")
+    assert exported.generate(torch.tensor([[105, 109]]), max_new_tokens=3).shape == (1, 5)
+    assert (tmp_path / "report.html").exists()
+
+
+def test_resume_under_another_layout_continues_the_run(tmp_path, start):
+    whole = train_native(_settings(nproc=2, out=str(tmp_path / "whole")), NativeLayout(dp_shard=2), init_from=start)
+    train_native(_settings(nproc=2, out=str(tmp_path / "split"), stop_at=2), NativeLayout(dp_shard=2),
+                 init_from=start)
+    resumed = train_native(_settings(nproc=2, out=str(tmp_path / "split"), resume=True), NativeLayout(tp=2))
+    assert resumed.step == 4
+    assert resumed.train_loss == pytest.approx(whole.train_loss, abs=1e-4, rel=0)
+
+
+def test_the_cli_flags(tmp_path, capsys):
+    args = ["train", "--preset", "tiny", "--steps", "2", "--batch", "4", "--seq-len", "32", "--eval-every", "2",
+            "--eval-rows", "4", "--threads", "1", "--corpus-root", SMALL_CORPUS["corpus_root"],
+            "--held-out-fraction", "0.3", "--sample-tokens", "0", "--out", str(tmp_path)]
+    assert main(args + ["--pp", "2", "--schedule", "1f1b"]) == 0
+    assert "export (safetensors)" in capsys.readouterr().out
+    for bad, message in [(["--tp", "3"], "tp: 3 must divide"), (["--fsdp", "3"], "batch"),
+                         (["--fsdp", "2", "--nproc", "4"], "nproc"), (["--init-from", str(tmp_path)], "init_from")]:
+        assert main(args + bad) == 2
+        assert message in capsys.readouterr().err
