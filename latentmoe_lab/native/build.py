@@ -39,6 +39,7 @@ class NativeModel:
     mesh: object
     stage_layers: list[range]  # per pp stage, its global layer indices
     dtype: torch.dtype = torch.float32  # of the stored (sharded) parameters
+    device: torch.device = torch.device("cpu")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -88,7 +89,7 @@ def apply_fsdp(module: nn.Module, mesh, layout: NativeLayout) -> None:
 
 
 def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: str | Path | None = None,
-                 seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> NativeModel:
+                 seed: int = 0, dtype: torch.dtype = torch.float32) -> NativeModel:
     """This rank's model under `layout` on `mesh` (layout.build_mesh), loaded from `checkpoint` or freshly seeded.
 
     dtype: of the stored parameters (fp32 masters; fp64 for the equivalence checks).
@@ -104,12 +105,14 @@ def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: st
     if layout.ep > 1:
         apply_expert_parallel(module, mesh["ep"])
     apply_fsdp(module, mesh, layout)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
+        torch.device(mesh.device_type)
     module.to_empty(device=device)
     if checkpoint is not None:
         load_local_shards(module, checkpoint)
     else:
         initialise_local_shards(module, seed + mesh.get_rank())
-    return NativeModel(module, layout, mesh, stages, dtype)
+    return NativeModel(module, layout, mesh, stages, dtype, device)
 
 
 @torch.no_grad()

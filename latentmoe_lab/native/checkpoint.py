@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from latentmoe_lab.checkpoint import (CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, _fsync_dir, _fsync_tree,
-                                      _remove_stale_temporaries, _swap_in, parse_size, resolve_checkpoint_dir, shard_state_dict)
+                                      _remove_stale_temporaries, _swap_in, parse_size, shard_state_dict)
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.native.build import NativeModel, load_local_shards
 from latentmoe_lab.native.checkpoint_files import (RESERVED_NAMES, FORMAT, MANIFEST_NAME, MODEL_DIR, OPTIMIZER_DIR,
@@ -59,18 +59,13 @@ def save_sharded(native: NativeModel, directory: str | Path, optimizer: torch.op
     if not isinstance(native, NativeModel):
         raise TypeError(f"native: expected a NativeModel (build_native), got {type(native).__name__}")
     directory = Path(directory)
-    extra_json = dict(extra_json or {})
-    for name in extra_json:
-        if not isinstance(name, str) or "/" in name or name.startswith(".") or name in RESERVED_NAMES \
-                or not name.endswith(".json"):
-            raise ValueError(f"extra_json: file name {name!r} must be a plain '*.json' name other than "
-                             f"{sorted(n for n in RESERVED_NAMES if n.endswith('.json'))}")
+    texts = {name: _to_json(f"extra_json: {name!r}", value) for name, value in _checked_extras(extra_json).items()}
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"directory: {directory} is a file")
     if directory.exists() and not (directory / MANIFEST_NAME).exists() and any(directory.iterdir()):
         raise ValueError(f"directory: {directory} exists and is not a sharded checkpoint (no {MANIFEST_NAME}); "
                          f"refusing to replace it")
-    device = torch.device(native.mesh.root.device_type)
+    device = native.device
     rank0 = dist.get_rank() == 0
     tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_int(os.getpid(), device)}"
     if rank0:
@@ -79,22 +74,40 @@ def save_sharded(native: NativeModel, directory: str | Path, optimizer: torch.op
         (tmp / MODEL_DIR).mkdir(parents=True)
     dist.barrier()
     _dcp_save(get_model_state_dict(native.module), tmp / MODEL_DIR)
-    groups = None
     if optimizer is not None:
         state = get_optimizer_state_dict(native.module, optimizer)
-        _dcp_save(flatten_optimizer_state(state["state"]), tmp / OPTIMIZER_DIR)
         groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
+        texts[OPTIMIZER_JSON] = _to_json("optimizer: the param_groups hyperparameters", groups)
+        _dcp_save(flatten_optimizer_state(state["state"]), tmp / OPTIMIZER_DIR)
     dist.barrier()  # every rank's shards are on disk
     failure = ""
     if rank0:
         try:
-            _finish(tmp, directory, native.module.config, groups, extra_json)
+            _finish(tmp, directory, native.module.config, texts, sorted(extra_json or {}))
         except Exception as error:  # noqa: BLE001 - reported to every rank below, then raised here
             failure = f"{type(error).__name__}: {error}"
             shutil.rmtree(tmp, ignore_errors=True)
     if _broadcast_int(int(bool(failure)), device):
         raise RuntimeError(f"save_sharded: rank 0 could not finish {directory}: {failure or 'see rank 0'}")
     return directory
+
+
+def _checked_extras(extra_json: dict | None) -> dict:
+    extra_json = dict(extra_json or {})
+    for name in extra_json:
+        if not isinstance(name, str) or "/" in name or name.startswith(".") or name in RESERVED_NAMES \
+                or not name.endswith(".json"):
+            raise ValueError(f"extra_json: file name {name!r} must be a plain '*.json' name other than "
+                             f"{sorted(n for n in RESERVED_NAMES if n.endswith('.json'))}")
+    return extra_json
+
+
+def _to_json(what: str, value) -> str:
+    """Serialised on every rank before the step that needs it, so a bad value fails on all ranks at once."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} is not JSON-serialisable ({error})") from None
 
 
 def flatten_optimizer_state(state: dict) -> dict[str, torch.Tensor]:
@@ -117,23 +130,16 @@ def _dcp_save(state: dict, path: Path) -> None:
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
 
 
-def _finish(tmp: Path, directory: Path, config: ModelConfig, groups: list[dict] | None, extra_json: dict) -> None:
+def _finish(tmp: Path, directory: Path, config: ModelConfig, texts: dict[str, str], extra_names: list[str]) -> None:
     """Rank 0, after every rank wrote its shards: the JSON files, the manifest, fsync, the atomic swap."""
     (tmp / CONFIG_NAME).write_text(config.to_json())
-    if groups is not None:
-        (tmp / OPTIMIZER_JSON).write_text(json.dumps(groups))
-    for name, value in extra_json.items():
-        (tmp / name).write_text(json.dumps(value))
+    for name, text in texts.items():
+        (tmp / name).write_text(text)
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    manifest = {"format": FORMAT, "optimizer": groups is not None, "extra_json": sorted(extra_json), "files": files}
+    manifest = {"format": FORMAT, "optimizer": OPTIMIZER_JSON in texts, "extra_json": extra_names, "files": files}
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
-    for path in sorted(tmp.rglob("*"), reverse=True):  # files, then their directories
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-        else:
-            _fsync_dir(path)
-    _fsync_dir(tmp)
+    for folder in [p for p in tmp.iterdir() if p.is_dir()] + [tmp]:
+        _fsync_tree(folder)
     previous = directory.parent / f"{directory.name}.previous"
     if directory.exists():
         shutil.rmtree(previous, ignore_errors=True)
@@ -162,14 +168,29 @@ def load_sharded(module_or_native: NativeModel | nn.Module, directory: str | Pat
     module = native.module if native is not None else module_or_native
     if not isinstance(module, nn.Module):
         raise TypeError(f"module_or_native: expected a NativeModel or an nn.Module, got {type(module).__name__}")
-    directory = resolve_checkpoint_dir(directory)
-    manifest = check_sharded(directory)
+    checked = check_sharded(directory)
+    directory, manifest = checked.directory, checked.manifest
     if optimizer is not None and not manifest["optimizer"]:
         raise ValueError(f"optimizer: {directory} was saved without an optimizer state")
+    _check_names(module, checked.shapes[MODEL_DIR])
     _load_model(module, directory / MODEL_DIR)
     if optimizer is not None:
-        _load_optimizer(module, optimizer, directory)
+        _load_optimizer(module, optimizer, directory, set(checked.shapes[OPTIMIZER_DIR]))
     return {name: read_json(directory / name) for name in manifest["extra_json"]}
+
+
+def _check_names(module: nn.Module, stored: dict[str, tuple[int, ...]]) -> None:
+    """ValueError naming the module's tensors that the checkpoint lacks or holds in another global shape.
+
+    Names the checkpoint has and the module lacks are fine: a pipeline stage holds only its own layers.
+    """
+    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}  # DTensor: the global shape
+    missing = sorted(set(expected) - set(stored))
+    mismatched = [f"{name}: checkpoint {list(stored[name])} vs module {list(shape)}"
+                  for name, shape in expected.items() if name in stored and stored[name] != shape]
+    if missing or mismatched:
+        raise ValueError(f"checkpoint does not match the module: missing tensors {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}; shape mismatches {mismatched[:8]}")
 
 
 def _is_distributed(module: nn.Module) -> bool:
@@ -193,11 +214,11 @@ def _load_model(module: nn.Module, folder: Path) -> None:
     module.load_state_dict(state)
 
 
-def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, stored: set[str]) -> None:
+    """stored: the optimizer tensors' names in the checkpoint."""
     folder = directory / OPTIMIZER_DIR
     state = get_optimizer_state_dict(module, optimizer)  # allocates every parameter's state when there is none
     # a parameter that never had a gradient before the save has no state there: it must start fresh here too
-    stored = set(HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata)
     kept = {}
     for param, values in state["state"].items():
         present = [f"{param}.{key}" in stored for key in values]
@@ -223,8 +244,7 @@ def export_safetensors(directory: str | Path, out_dir: str | Path, max_shard_siz
     Reads one output shard (at most max_shard_size bytes) at a time, so memory stays near that size;
     written atomically like save_pretrained. Returns out_dir.
     """
-    directory = resolve_checkpoint_dir(directory)
-    check_sharded(directory)
+    directory = check_sharded(directory).directory
     config = ModelConfig.from_json(directory / CONFIG_NAME)
     reader = HuggingFaceStorageReader(str(directory / MODEL_DIR))
     metadata = reader.read_metadata().state_dict_metadata

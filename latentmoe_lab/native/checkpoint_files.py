@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,8 +26,15 @@ _MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is garbage, n
 _ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def check_sharded(directory: str | Path) -> dict:
-    """Validate a sharded checkpoint without reading tensor data; returns the manifest.
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    directory: Path  # the one read (DIR, or DIR.previous after an interrupted swap)
+    manifest: dict
+    shapes: dict[str, dict[str, tuple[int, ...]]]  # "model" / "optimizer" -> tensor name -> global shape
+
+
+def check_sharded(directory: str | Path) -> CheckedCheckpoint:
+    """Validate a sharded checkpoint without reading tensor data.
 
     ValueError names the file: a pickle or any other non-safetensors / non-JSON file, a size that differs
     from the manifest's, a malformed header, or a tensor whose chunks do not cover it.
@@ -59,9 +67,10 @@ def check_sharded(directory: str | Path) -> dict:
     strays = [p for p in headers if str(p.relative_to(directory)) not in manifest["files"]]
     if strays:  # the reader takes every *.safetensors file of a folder: a foreign one would be read as a shard
         raise ValueError(f"checkpoint file {strays[0]}: not written by the save (not in {MANIFEST_NAME})")
-    for folder in [MODEL_DIR] + ([OPTIMIZER_DIR] if manifest["optimizer"] else []):
-        _check_coverage({p: h for p, h in headers.items() if p.parent == directory / folder}, directory / folder)
-    return manifest
+    shapes = {folder: _check_coverage({p: h for p, h in headers.items() if p.parent == directory / folder},
+                                      directory / folder)
+              for folder in [MODEL_DIR] + ([OPTIMIZER_DIR] if manifest["optimizer"] else [])}
+    return CheckedCheckpoint(directory, manifest, shapes)
 
 
 def file_kind(path: Path) -> str:
@@ -115,8 +124,8 @@ def read_safetensors_header(path: Path) -> dict:
     return header
 
 
-def _check_coverage(headers: dict[Path, dict], folder: Path) -> None:
-    """Each tensor's chunks (over all shard files) must add up to its global size: no shard file missing."""
+def _check_coverage(headers: dict[Path, dict], folder: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's chunks (over all shard files) must add up to its global size; returns those sizes."""
     chunks: dict[str, list[tuple[list[int], list[int]]]] = {}
     for path, header in headers.items():
         try:
@@ -129,12 +138,14 @@ def _check_coverage(headers: dict[Path, dict], folder: Path) -> None:
                 chunks.setdefault(name, []).append((offsets, entry["shape"]))
     if not chunks:
         raise ValueError(f"checkpoint folder {folder}: no safetensors shards")
+    sizes = {}
     for name, parts in chunks.items():
-        size = [max(o[d] + s[d] for o, s in parts) for d in range(len(parts[0][1]))]
+        size = sizes[name] = tuple(max(o[d] + s[d] for o, s in parts) for d in range(len(parts[0][1])))
         stored = sum(int(torch.Size(shape).numel()) for _, shape in parts)
         if stored != torch.Size(size).numel():
             raise ValueError(f"checkpoint folder {folder}: tensor {name!r} of size {size} has {stored} elements in "
                              f"its shard files, not {torch.Size(size).numel()} (a shard file is missing)")
+    return sizes
 
 
 def read_json(path: Path):

@@ -16,7 +16,7 @@ from latentmoe_lab.native.train import local_rows
 def native_logits(native: NativeModel, batch: torch.Tensor) -> torch.Tensor:
     """batch [B, T] int64 -> fp32 logits [B, T, vocab], the same on every rank."""
     native.module.eval()
-    ids = local_rows(native, batch)
+    ids = local_rows(native, batch).to(native.device)
     config = native.module.config
     if native.layout.pp == 1:
         logits = native.module(ids).logits
@@ -25,12 +25,12 @@ def native_logits(native: NativeModel, batch: torch.Tensor) -> torch.Tensor:
         stage, group = pp.get_local_rank(), pp.get_group()
         x = ids
         if stage > 0:
-            x = torch.empty(*ids.shape, config.hidden_size, dtype=native.compute_dtype)
+            x = torch.empty(*ids.shape, config.hidden_size, dtype=native.compute_dtype, device=native.device)
             dist.recv(x, group=group, group_src=stage - 1)
         out = native.module(x)
         if stage < native.layout.pp - 1:
             dist.send(out.contiguous(), group=group, group_dst=stage + 1)
-            out = torch.empty(*ids.shape, config.vocab_size, dtype=torch.float32)
+            out = torch.empty(*ids.shape, config.vocab_size, dtype=torch.float32, device=native.device)
         dist.broadcast(out, group=group, group_src=native.layout.pp - 1)
         logits = out
     native.reshard()

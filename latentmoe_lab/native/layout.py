@@ -95,8 +95,11 @@ class NativeMesh:
     "data" is the flattened (dp_shard, ep) sub-mesh, kept here as torch asks callers to do.
     """
 
-    def __init__(self, layout: NativeLayout, device_type: str = "cpu"):
+    def __init__(self, layout: NativeLayout, device_type: str | None = None):
         from torch.distributed.device_mesh import init_device_mesh
+
+        self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        device_type = self.device_type
 
         self.root = init_device_mesh(device_type, tuple(getattr(layout, d) for d in NATIVE_DIMS),
                                      mesh_dim_names=NATIVE_DIMS)
@@ -113,5 +116,6 @@ class NativeMesh:
         return self.root.get_rank()
 
 
-def build_mesh(layout: NativeLayout, device_type: str = "cpu") -> NativeMesh:
+def build_mesh(layout: NativeLayout, device_type: str | None = None) -> NativeMesh:
+    """The mesh on `device_type` (default: cuda when available, else cpu; gloo or NCCL is the default group's)."""
     return NativeMesh(layout, device_type)

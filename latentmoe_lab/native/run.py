@@ -2,7 +2,9 @@
 
 The same data order (corpus.batch_rows over the global batch), warm-up + cosine schedule, AdamW,
 clipping and routing-bias update as the accelerate run, with the model built per rank by
-build_native (no rank holds the whole model) and stepped by NativeTrainer. Outputs in `out`:
+build_native (no rank holds the whole model) and stepped by NativeTrainer. From a shell it starts
+the local processes itself; under torchrun or accelerate launch (WORLD_SIZE set) each process runs
+its own rank. Outputs in `out`:
 
     checkpoint/        sharded, pickle-free (native/checkpoint.py): every K steps and at the end;
                        --resume continues from it under any layout
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -42,6 +45,8 @@ def train_native(settings: TrainSettings, layout: NativeLayout, init_from: str |
     if layout.world_size == 1:
         raise ValueError("layout: the native path needs at least one dimension > 1 (use the plain run for 1 process)")
     init_from = None if init_from is None else str(init_from)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # already one of torchrun's / accelerate's processes
+        return History(**_run(settings, layout, init_from))
     return History(**launch(_run, layout.world_size, args=(settings, layout, init_from),
                             timeout_s=settings.timeout_s)[0])
 
@@ -126,8 +131,8 @@ def evaluate(native, held_rows: torch.Tensor, max_rows: int, batch: int) -> floa
 
     count = max(batch, (min(max_rows, len(held_rows)) // batch) * batch)
     picked = torch.linspace(0, len(held_rows) - 1, count).round().long()
-    losses = [float(causal_lm_loss(native_logits(native, held_rows[picked[i:i + batch]].long()),
-                                   held_rows[picked[i:i + batch]].long())) for i in range(0, count, batch)]
+    chunks = [held_rows[picked[i:i + batch]].long() for i in range(0, count, batch)]
+    losses = [float(causal_lm_loss(native_logits(native, ids), ids.to(native.device))) for ids in chunks]
     return sum(losses) / len(losses)
 
 

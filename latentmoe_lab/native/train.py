@@ -30,11 +30,12 @@ def local_rows(native: NativeModel, batch: torch.Tensor) -> torch.Tensor:
 class ExpertCounts:
     """Sums each MoE layer's routed (token, expert) counts over every forward of a step (micro-batches too)."""
 
-    def __init__(self, module):
+    def __init__(self, module, device: torch.device):
         moe = [(i, block.ffn) for i, block in named_blocks(module) if isinstance(block.ffn, LatentMoE)]
         self.layer_ids = [i for i, _ in moe]
         self.layers = [layer for _, layer in moe]
-        self.totals = [torch.zeros(layer.num_experts, dtype=torch.int64) for layer in self.layers]
+        self.device = device
+        self.totals = [torch.zeros(layer.num_experts, dtype=torch.int64, device=device) for layer in self.layers]
         for layer, total in zip(self.layers, self.totals):
             layer.register_forward_hook(self._adder(total))
 
@@ -43,13 +44,13 @@ class ExpertCounts:
         def add(module, args, output) -> None:  # returns None: the layer's output is left as it is
             # training forwards only: pipelining's shape-inference pass runs the stage once under no_grad
             if module.training and torch.is_grad_enabled():
-                total.add_(module.last_expert_counts.cpu())
+                total.add_(module.last_expert_counts)
         return add
 
     def update_biases(self, data_group) -> torch.Tensor:
         """All-reduce the step's counts over the data ranks, update each layer's bias, reset; returns [L, E]."""
         if not self.layers:
-            return torch.zeros(0, dtype=torch.int64)
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
         counts = torch.stack(self.totals)
         dist.all_reduce(counts, group=data_group)
         for layer, layer_counts, total in zip(self.layers, counts, self.totals):
@@ -60,7 +61,7 @@ class ExpertCounts:
 
 def clip_global_norm(native: NativeModel, max_norm: float) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before clipping."""
-    squares = torch.zeros((), dtype=torch.float64)
+    squares = torch.zeros((), dtype=torch.float64, device=native.device)
     for param in native.module.parameters():
         if param.grad is not None:
             norm = torch.linalg.vector_norm(param.grad.float())
@@ -90,14 +91,14 @@ class NativeTrainer:
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         # foreach=False: the parameters live on several meshes (data, tp, ep), which foreach kernels refuse
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
-        self.counts = ExpertCounts(native.module)
+        self.counts = ExpertCounts(native.module, native.device)
         self.experts = expert_params(native.module)
         self.schedule, self.schedule_shape = None, None
 
     def step(self, batch: torch.Tensor) -> dict:
         native = self.native
         native.module.train()
-        ids = local_rows(native, batch)
+        ids = local_rows(native, batch).to(native.device)
         loss = self._forward_backward(ids)
         if native.layout.ep > 1:
             for param in self.experts:
@@ -116,7 +117,7 @@ class NativeTrainer:
         """This stage's [L_stage, E] counts -> [L, E] over all MoE layers of the model (summed over pp)."""
         config = self.native.module.config
         moe_ids = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
-        counts = torch.zeros(len(moe_ids), config.moe.num_experts, dtype=torch.int64)
+        counts = torch.zeros(len(moe_ids), config.moe.num_experts, dtype=torch.int64, device=self.native.device)
         for row, layer_id in zip(stage_counts, self.counts.layer_ids):
             counts[moe_ids.index(layer_id)] = row
         dist.all_reduce(counts, group=self.native.mesh["pp"].get_group())
@@ -138,7 +139,7 @@ class NativeTrainer:
             self.schedule.step(target=ids, losses=losses)
         else:
             self.schedule.step()
-        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=native.device)
         pp = native.mesh["pp"]
         dist.broadcast(loss, group=pp.get_group(), group_src=native.layout.pp - 1)
         return loss
@@ -161,7 +162,7 @@ def _pipeline_schedule(native: NativeModel, rows: int, seq_len: int):
     ids = torch.empty(micro, seq_len, dtype=torch.int64, device="meta")
     logits = torch.empty(micro, seq_len, config.vocab_size, dtype=torch.float32, device="meta")
     pp = native.mesh["pp"]
-    stage = PipelineStage(native.module, pp.get_local_rank(), layout.pp, torch.device("cpu"),
+    stage = PipelineStage(native.module, pp.get_local_rank(), layout.pp, native.device,
                           input_args=ids if native.is_first_stage else hidden,
                           output_args=logits if native.is_last_stage else hidden,
                           input_grads=None if native.is_first_stage else hidden,

@@ -1,0 +1,70 @@
+"""NativeLayout's rules, and FSDP2's bf16 mixed precision training next to fp32."""
+import math
+
+import pytest
+import torch
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.native.layout import NativeLayout
+from latentmoe_lab.parallel.launch import launch
+
+TINY = ModelConfig.from_preset("tiny")  # 2 KDA heads, 2 MLA heads, 8 experts, 4 layers
+
+
+def test_sizes_names_and_shards():
+    layout = NativeLayout(dp_shard=2, ep=2, tp=2)
+    assert layout.world_size == 8 and layout.data_shards == 4
+    assert layout.name == "FSDP2xEP2xTP2" and NativeLayout().name == "1 process"
+    layout.validate_for(TINY, 8)
+    NativeLayout(pp=2, micro_batches=2).validate_batch(4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp=0), "tp: must be a positive integer"), (dict(ep=True), "ep: must be a positive integer"),
+    (dict(param_dtype="fp8"), "param_dtype"), (dict(schedule="zb"), "schedule"),
+    (dict(micro_batches=0), "micro_batches")])
+def test_bad_layouts_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NativeLayout(**kwargs)
+
+
+@pytest.mark.parametrize("layout, message", [
+    (NativeLayout(ep=3), "ep: 3 must divide moe.num_experts = 8"), (NativeLayout(tp=4), "tp: 4 must divide"),
+    (NativeLayout(pp=5), "pp: 5 stages need at least as many layers")])
+def test_splits_the_model_cannot_take(layout, message):
+    with pytest.raises(ValueError, match=message):
+        layout.validate_for(TINY)
+
+
+def test_world_size_and_batch_rules():
+    with pytest.raises(ValueError, match="needs 4 processes, got 2"):
+        NativeLayout(dp_shard=2, ep=2).validate_for(TINY, 2)
+    with pytest.raises(ValueError, match="batch: 6 rows must split evenly over dp_shard x ep = 4"):
+        NativeLayout(dp_shard=2, ep=2).validate_batch(6)
+    with pytest.raises(ValueError, match="micro_batches"):
+        NativeLayout(pp=2, micro_batches=4).validate_batch(2)
+
+
+def _losses(param_dtype: str) -> list[float]:
+    from latentmoe_lab.native.build import build_native
+    from latentmoe_lab.native.layout import build_mesh
+    from latentmoe_lab.native.train import NativeTrainer
+    from latentmoe_lab.parallel.mesh import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(60)
+    layout = NativeLayout(dp_shard=2, param_dtype=param_dtype)
+    native = build_native(TINY, layout, build_mesh(layout), seed=0)
+    trainer = NativeTrainer(native, lr=3e-3)
+    batch = torch.randint(0, TINY.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    dtypes = {str(p.dtype) for p in native.module.parameters()}
+    return [trainer.step(batch)["loss"] for _ in range(3)] + [sorted(dtypes)]
+
+
+def test_bf16_mixed_precision_trains_like_fp32():
+    fp32, bf16 = (launch(_losses, 2, args=(dtype,), timeout_s=120)[0] for dtype in ("fp32", "bf16"))
+    assert fp32[-1] == bf16[-1] == ["torch.float32"]  # sharded masters stay fp32; only the gathered copies are bf16
+    assert all(math.isfinite(x) for x in bf16[:-1])
+    assert bf16[:-1] == pytest.approx(fp32[:-1], abs=0.05)
+    assert bf16[:-1] != fp32[:-1]  # it did compute in bf16
+    assert bf16[2] < bf16[0]
