@@ -68,3 +68,26 @@ def test_bf16_mixed_precision_trains_like_fp32():
     assert bf16[:-1] == pytest.approx(fp32[:-1], abs=0.05)
     assert bf16[:-1] != fp32[:-1]  # it did compute in bf16
     assert bf16[2] < bf16[0]
+
+
+def _fresh_tp2() -> dict:
+    from latentmoe_lab.native.build import build_native
+    from latentmoe_lab.native.forward import native_logits
+    from latentmoe_lab.native.layout import build_mesh
+    from latentmoe_lab.parallel.mesh import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(60)
+    layout = NativeLayout(tp=2)
+    native = build_native(TINY, layout, build_mesh(layout), seed=3)
+    attn = native.module.layers[0].attn
+    batch = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"replicated": attn.f_down.weight.detach().clone(), "sharded": attn.q_proj.weight.to_local().clone(),
+            "logits": native_logits(native, batch)}
+
+
+def test_a_fresh_initialisation_draws_replicas_alike_and_shards_apart():
+    first, second = launch(_fresh_tp2, 2, timeout_s=120)
+    assert torch.equal(first["replicated"], second["replicated"])  # f_down is replicated over tp
+    assert not torch.equal(first["sharded"], second["sharded"])  # each rank's q_proj rows are its own
+    assert torch.equal(first["logits"], second["logits"]) and first["logits"].std() > 0

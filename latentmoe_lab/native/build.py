@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.layers.kda import A_INIT_RANGE, DT_INIT_RANGE
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.native.expert import apply_expert_parallel
@@ -111,32 +114,47 @@ def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: st
     if checkpoint is not None:
         load_local_shards(module, checkpoint)
     else:
-        initialise_local_shards(module, seed + mesh.get_rank())
+        initialise_local_shards(module, seed)
     return NativeModel(module, layout, mesh, stages, dtype, device)
 
 
 @torch.no_grad()
 def initialise_local_shards(module: nn.Module, seed: int) -> None:
-    """A fresh start without a checkpoint: each rank draws its own local shards (normal(0, std), norms 1).
+    """A fresh start without a checkpoint: each rank draws its own local shards from `seed`.
 
-    Not the single-process initialisation (that would need the whole tensor); the equivalence tests
-    start every layout from one checkpoint instead.
+    The layers' rules on local tensors: norms 1, biases 0, A_log = log U[1, 16], dt_bias = softplus^-1 of a
+    log-uniform dt in [1e-3, 1e-1], everything else normal(0, initializer_range); routing biases 0. Not the
+    single-process draw (that would need whole tensors): the equivalence checks start from a checkpoint.
     """
-    generator = torch.Generator().manual_seed(seed)
     std = module.config.initializer_range
     for name, param in module.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
+        # one stream per (parameter, shard): replicas of a tensor (over tp, or not sharded at all) draw alike
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}{_shard_coordinates(param)}"
+                                                                                .encode()))
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name and leaf in ("weight",):
+        if leaf == "bias":
+            local.zero_()
+        elif "norm" in name:
             local.fill_(1.0)
-        elif leaf == "bias" or leaf == "A_log" or leaf == "dt_bias":
-            local.copy_(torch.zeros_like(local) if leaf == "bias" else
-                        (torch.rand(local.shape, generator=generator) * 15 + 1).log() if leaf == "A_log" else
-                        torch.full_like(local, -4.6))  # softplus(-4.6) = 0.01, inside dt's init range
+        elif leaf == "A_log":
+            local.copy_(torch.empty(local.shape).uniform_(*A_INIT_RANGE, generator=generator).log())
+        elif leaf == "dt_bias":
+            low, high = (math.log(x) for x in DT_INIT_RANGE)
+            dt = torch.empty(local.shape).uniform_(low, high, generator=generator).exp()
+            local.copy_(dt + torch.log(-torch.expm1(-dt)))
         else:
             local.copy_(torch.randn(local.shape, generator=generator) * std)
-    for name, buffer in module.named_buffers():
-        buffer.zero_()  # correction_bias
+    for buffer in module.buffers():
+        buffer.zero_()  # the routing correction biases
+
+
+def _shard_coordinates(param: torch.Tensor) -> tuple[int, ...]:
+    """This rank's index on each mesh dim that shards `param` (empty for a replicated or plain tensor)."""
+    if not isinstance(param, DTensor):
+        return ()
+    mesh = param.device_mesh
+    return tuple(mesh.get_local_rank(i) for i, placement in enumerate(param.placements) if placement.is_shard())
 
 
 def load_local_shards(module: nn.Module, checkpoint: str | Path) -> None:
