@@ -7,8 +7,9 @@
                               rank r's chunks of the model state dict under the plain parameter names; the
                               safetensors header's DCP_SHARDING_INFO gives each chunk's offset in the global tensor
     DIR/optimizer/shard-...   the same for the optimizer's tensors, named "<param>.exp_avg", "<param>.step", ...
-    DIR/optimizer.json        the optimizer's param_groups hyperparameters (lr, betas, ...), without parameter names
-    DIR/<name>                each extra_json entry (the trainer's step, data position, ...), as JSON
+    DIR/optimizer.json        the param_groups' hyperparameters (lr, betas, initial_lr, ...) in group order, without
+                              the parameter names (a pipeline stage knows only its own)
+    DIR/<name>.json           each extra_json entry (the trainer's step, scheduler, history, ...)
 
 Saving: every rank writes only its own chunks (HuggingFaceStorageWriter(save_distributed=True); a replicated
 tensor is written once, by the rank DCP's de-duplication picks). DCP's default FileSystemWriter pickles its
@@ -23,7 +24,9 @@ states the chunks it wants (its DTensor local shards, or whole tensors) and Hugg
 reads only the overlapping slices (safetensors get_slice). Before anything is read, every file is checked
 (each rank checks the same files, so all of them raise together instead of one waiting in a collective):
 safetensors or JSON by their bytes, never a pickle; the sizes the manifest recorded; well-formed headers;
-chunks that cover each tensor. Corrupted tensor bytes inside a well-formed file are not detected.
+chunks that cover each tensor; then every tensor of the target must be in the checkpoint with its global
+shape. Corrupted tensor bytes inside a well-formed file are not detected. An optimizer's state loads
+per parameter; one that had no state at the save (it never had a gradient) has none after the load.
 See docs/design.md §11.
 """
 from __future__ import annotations
@@ -164,8 +167,7 @@ def load_sharded(module_or_native: NativeModel | nn.Module, directory: str | Pat
     optimizer: also restore its state and hyperparameters (the checkpoint must hold one). Returns the
     extra_json files {name: value} that the save wrote.
     """
-    native = module_or_native if isinstance(module_or_native, NativeModel) else None
-    module = native.module if native is not None else module_or_native
+    module = module_or_native.module if isinstance(module_or_native, NativeModel) else module_or_native
     if not isinstance(module, nn.Module):
         raise TypeError(f"module_or_native: expected a NativeModel or an nn.Module, got {type(module).__name__}")
     checked = check_sharded(directory)
