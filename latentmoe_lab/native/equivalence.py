@@ -80,54 +80,64 @@ def train_reference(model: LatentMoEForCausalLM, batches: list[torch.Tensor], se
     return logits, losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def layout_worker(layout: NativeLayout, settings: EquivalenceSettings, checkpoint: str) -> dict:
-    """On each rank: build from the checkpoint, forward the first batch, train; return gathered tensors."""
+def layouts_worker(layouts: list[NativeLayout], settings: EquivalenceSettings, checkpoint: str) -> list[dict]:
+    """On each rank, per layout: build from the checkpoint, forward the first batch, train; gathered tensors."""
     from latentmoe_lab.native.build import build_native
-    from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.native.forward import native_logits
+    from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.native.train import NativeTrainer
     from latentmoe_lab.parallel.mesh import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(settings.timeout_s / 2)
     config = ModelConfig.from_preset(settings.preset)
-    native = build_native(config, layout, build_mesh(layout), checkpoint=checkpoint,
-                          dtype=getattr(torch, settings.dtype))
     batches = training_batches(config, settings)
-    logits = native_logits(native, batches[0])
-    trainer = NativeTrainer(native, lr=settings.lr, grad_clip=settings.grad_clip)
-    steps = [trainer.step(ids) for ids in batches]
-    params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for name, p in native.module.named_parameters()}
-    return {"logits": logits, "losses": [s["loss"] for s in steps], "grad_norms": [s["grad_norm"] for s in steps],
-            "params": params}
+    results = []
+    for layout in layouts:
+        native = build_native(config, layout, build_mesh(layout), checkpoint=checkpoint,
+                              dtype=getattr(torch, settings.dtype))
+        logits = native_logits(native, batches[0])
+        trainer = NativeTrainer(native, lr=settings.lr, grad_clip=settings.grad_clip)
+        steps = [trainer.step(ids) for ids in batches]
+        params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                  for name, p in native.module.named_parameters()}
+        results.append({"logits": logits, "losses": [s["loss"] for s in steps],
+                        "grad_norms": [s["grad_norm"] for s in steps], "params": params})
+    return results
 
 
 def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = EquivalenceSettings()
                   ) -> list[EquivalenceReport]:
-    """Run each layout (all of one world size) and compare with the one-process reference."""
+    """Run each layout and compare with the one-process reference; one launch per world size."""
     from latentmoe_lab.parallel.launch import launch
 
-    reports = []
+    by_world: dict[int, list[int]] = {}
+    for i, layout in enumerate(layouts):
+        by_world.setdefault(layout.world_size, []).append(i)
+    reports: list[EquivalenceReport | None] = [None] * len(layouts)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "reference"
         model = write_reference_checkpoint(settings, checkpoint)
         batches = training_batches(model.config, settings)
         ref_logits, ref_losses, ref_norms, ref_params = train_reference(model, batches, settings)
-        for layout in layouts:
-            results = launch(layout_worker, layout.world_size, args=(layout, settings, str(checkpoint)),
-                             timeout_s=settings.timeout_s)
-            logit_error = max(float((r["logits"] - ref_logits).abs().max()) for r in results if r["logits"] is not None)
-            param_error, compared, worst = 0.0, 0, None
-            for r in results:
-                for name, value in r["params"].items():
-                    error = float((value - ref_params[name]).abs().max())
-                    if error > param_error:
-                        param_error, worst = error, name
-                    compared += 1
-            reports.append(EquivalenceReport(layout.name, logit_error, param_error, results[0]["losses"],
-                                             ref_losses, compared,
-                                             {"worst_param": worst, "grad_norms": results[0]["grad_norms"], "reference_grad_norms": ref_norms}))
+        for world, indices in by_world.items():
+            group = [layouts[i] for i in indices]
+            per_rank = launch(layouts_worker, world, args=(group, settings, str(checkpoint)),
+                              timeout_s=settings.timeout_s * len(group))
+            for j, i in enumerate(indices):
+                results = [rank[j] for rank in per_rank]
+                logit_error = max(float((r["logits"] - ref_logits).abs().max()) for r in results)
+                param_error, compared, worst = 0.0, 0, None
+                for r in results:
+                    for name, value in r["params"].items():
+                        error = float((value - ref_params[name]).abs().max())
+                        if error > param_error:
+                            param_error, worst = error, name
+                        compared += 1
+                extra = {"worst_param": worst, "grad_norms": results[0]["grad_norms"],
+                         "reference_grad_norms": ref_norms}
+                reports[i] = EquivalenceReport(layouts[i].name, logit_error, param_error, results[0]["losses"],
+                                               ref_losses, compared, extra)
     return reports
 
 
