@@ -51,8 +51,8 @@ def _losses(param_dtype: str) -> list[float]:
     from latentmoe_lab.native.train import NativeTrainer
     from latentmoe_lab.parallel.mesh import init_distributed
 
-    torch.set_num_threads(1)
     init_distributed(60)
+    torch.set_num_threads(1)
     layout = NativeLayout(dp_shard=2, param_dtype=param_dtype)
     native = build_native(TINY, layout, build_mesh(layout), seed=0)
     trainer = NativeTrainer(native, lr=3e-3)
@@ -76,8 +76,8 @@ def _fresh_tp2() -> dict:
     from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.parallel.mesh import init_distributed
 
-    torch.set_num_threads(1)
     init_distributed(60)
+    torch.set_num_threads(1)
     layout = NativeLayout(tp=2)
     native = build_native(TINY, layout, build_mesh(layout), seed=3)
     attn = native.module.layers[0].attn

@@ -27,8 +27,8 @@ def _build_and_measure(layout: NativeLayout, checkpoint: str) -> dict:
     from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.parallel.mesh import init_distributed
 
-    torch.set_num_threads(1)
     init_distributed(60)
+    torch.set_num_threads(1)
     mesh = build_mesh(layout)
     with torch.device("meta"):  # the first meta build imports sympy & co (~150 MB, once per process): not the model
         LatentMoEForCausalLM(ModelConfig.from_preset("tiny"))
@@ -77,8 +77,8 @@ def _train_until_killed(victim: int) -> None:
     from latentmoe_lab.native.train import NativeTrainer
     from latentmoe_lab.parallel.mesh import init_distributed
 
-    torch.set_num_threads(1)
     init_distributed(20)
+    torch.set_num_threads(1)
     layout = NativeLayout(dp_shard=2)
     config = ModelConfig.from_preset("tiny")
     trainer = NativeTrainer(build_native(config, layout, build_mesh(layout)))

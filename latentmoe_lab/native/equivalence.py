@@ -88,8 +88,8 @@ def layouts_worker(layouts: list[NativeLayout], settings: EquivalenceSettings, c
     from latentmoe_lab.native.train import NativeTrainer
     from latentmoe_lab.parallel.mesh import init_distributed
 
-    torch.set_num_threads(1)
     init_distributed(settings.timeout_s / 2)
+    torch.set_num_threads(1)  # after: accelerate's PartialState sets cores / local processes
     config = ModelConfig.from_preset(settings.preset)
     batches = training_batches(config, settings)
     results = []
@@ -150,8 +150,8 @@ def hand_written_worker(pairs: list, settings: EquivalenceSettings, checkpoint: 
     from latentmoe_lab.parallel.mesh import ProcessMesh, init_distributed
     from latentmoe_lab.parallel.sharded import parallelize
 
-    torch.set_num_threads(1)
     _, device = init_distributed(settings.timeout_s / 2)
+    torch.set_num_threads(1)
     config = ModelConfig.from_preset(settings.preset)
     model = LatentMoEForCausalLM.from_pretrained(checkpoint).eval()
     batch = training_batches(config, settings)[0]

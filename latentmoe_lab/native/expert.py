@@ -15,7 +15,7 @@ Backward: the gradients of the two row All-to-Alls travel the reverse way with t
 
 Unlike parallel/expert.py (the hand-written, forward-only twin, which sends a token once per
 destination rank and ships its weights), a token travels once per selected expert: simpler to
-differentiate, K/(distinct ranks) times the bytes. `traffic.plan_expert_bytes` counts both ways.
+differentiate, K/(distinct ranks) times the bytes. `traffic.expert_pairs` counts both ways.
 """
 from __future__ import annotations
 

@@ -59,9 +59,9 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None) -
     from latentmoe_lab.parallel.mesh import init_distributed
     from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
 
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
     init_distributed(min(settings.timeout_s, 600))
+    if settings.threads is not None:  # after: accelerate's PartialState sets cores / local processes
+        torch.set_num_threads(settings.threads)
     main = dist.get_rank() == 0
     config = settings.model_config()
     corpus = load_corpus(settings.corpus_root, settings.held_out_fraction, verbose=main)

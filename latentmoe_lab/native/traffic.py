@@ -64,7 +64,7 @@ def _a2a_sent(output, input, output_split_sizes=None, input_split_sizes=None, gr
     return (sum(splits) - splits[me]) * row_bytes
 
 
-def _payload(tensor, *args, group=None, **kwargs) -> int:
+def _payload(tensor, _op_or_src=None, group=None, **_) -> int:
     """An all-reduce's or broadcast's tensor bytes; nothing in a group of one."""
     return _nbytes(tensor) if dist.get_world_size(group) > 1 else 0
 
@@ -73,33 +73,31 @@ def _a2a_kind(output, input, *args, **kwargs) -> str:
     return A2A_KINDS.get(input.dtype, "ep.all_to_all.rows")
 
 
-# name -> (module, attribute, kind (str, or a function of the call's arguments), bytes counted)
-# `bytes` takes (result, *args, **kwargs); functional collectives only give their output back.
-# (funcol's deprecated all_gather_tensor / reduce_scatter_tensor call the *_single ones: not wrapped twice.)
-_WRAPPED = {
-    "all_gather_single": (dist, "all_gather_single", "fsdp.all_gather",
-                          lambda r, output, input, *a, **k: _nbytes(output) - _nbytes(input)),
-    "reduce_scatter_single": (dist, "reduce_scatter_single", "fsdp.reduce_scatter",
-                              lambda r, output, input, *a, **k: _nbytes(input) - _nbytes(output)),
-    "all_to_all_single": (dist, "all_to_all_single", _a2a_kind, lambda r, *a, **k: _a2a_sent(*a, **k)),
-    "all_reduce": (dist, "all_reduce", "all_reduce", lambda r, tensor, *a, **k: _payload(tensor, *a, **k)),
-    "all_gather": (dist, "all_gather", "all_gather",
-                   lambda r, outputs, tensor, *a, **k: sum(map(_nbytes, outputs)) - _nbytes(tensor)),
-    "broadcast": (dist, "broadcast", "broadcast", lambda r, tensor, *a, **k: _payload(tensor, *a, **k)),
-    "funcol.all_reduce": (funcol, "all_reduce", "dtensor.all_reduce", lambda r, tensor, *a, **k: _nbytes(tensor)),
-    "funcol.all_gather_single": (funcol, "all_gather_single", "dtensor.all_gather",
-                                 lambda r, tensor, *a, **k: _nbytes(r) - _nbytes(tensor)),
-    "funcol.reduce_scatter_single": (funcol, "reduce_scatter_single", "dtensor.reduce_scatter",
-                                     lambda r, tensor, *a, **k: _nbytes(tensor) - _nbytes(r)),
-    "ProcessGroup.send": (dist.ProcessGroup, "send", "p2p.send",
-                          lambda r, self, tensors, *a, **k: sum(map(_nbytes, tensors))),
-}
+# (owner, attribute, kind: a name or a function of the call's arguments, bytes(result, *args, **kwargs));
+# functional collectives only give their output back, hence the result. funcol's deprecated
+# all_gather_tensor / reduce_scatter_tensor call the *_single ones, so they are not wrapped as well.
+_WRAPPED = (
+    (dist, "all_gather_single", "fsdp.all_gather",
+     lambda r, output, input, *a, **k: _nbytes(output) - _nbytes(input)),
+    (dist, "reduce_scatter_single", "fsdp.reduce_scatter",
+     lambda r, output, input, *a, **k: _nbytes(input) - _nbytes(output)),
+    (dist, "all_to_all_single", _a2a_kind, lambda r, *a, **k: _a2a_sent(*a, **k)),
+    (dist, "all_reduce", "all_reduce", lambda r, *a, **k: _payload(*a, **k)),
+    (dist, "all_gather", "all_gather",
+     lambda r, outputs, tensor, *a, **k: sum(map(_nbytes, outputs)) - _nbytes(tensor)),
+    (dist, "broadcast", "broadcast", lambda r, *a, **k: _payload(*a, **k)),
+    (funcol, "all_reduce", "dtensor.all_reduce", lambda r, tensor, *a, **k: _nbytes(tensor)),
+    (funcol, "all_gather_single", "dtensor.all_gather", lambda r, tensor, *a, **k: _nbytes(r) - _nbytes(tensor)),
+    (funcol, "reduce_scatter_single", "dtensor.reduce_scatter",
+     lambda r, tensor, *a, **k: _nbytes(tensor) - _nbytes(r)),
+    (dist.ProcessGroup, "send", "p2p.send", lambda r, self, tensors, *a, **k: sum(map(_nbytes, tensors))),
+)
 
 
 class CollectiveMeter:
     """Counts this rank's collective bytes per kind while active: `bytes` and `calls` (Counters).
 
-    Replaces the functions in `_WRAPPED` by counting wrappers on entry (callers look them up at call
+    Replaces the functions in `_WRAPPED` with counting wrappers on entry (callers look them up at call
     time: `dist.all_gather_single(...)`) and puts the originals back on exit, exception or not.
     """
 
@@ -111,7 +109,7 @@ class CollectiveMeter:
     def __enter__(self) -> CollectiveMeter:
         if self._originals:
             raise RuntimeError("CollectiveMeter: already active; use a new meter per `with` block")
-        for owner, attribute, kind, count in _WRAPPED.values():
+        for owner, attribute, kind, count in _WRAPPED:
             # restore the stored object itself: on a class, getattr gives pybind's bare function, and
             # setting that back would lose the method binding (self)
             self._originals.append((owner, attribute, vars(owner)[attribute]))
@@ -175,7 +173,11 @@ class RoutingRecorder:
                 layer.dispatcher = layer.dispatcher.inner
 
     def gathered(self, ep_mesh=None) -> list[DispatchCall]:
-        """Every ep rank's indices per call (a collective over ep_mesh: call it outside the meter)."""
+        """Every ep rank's indices per call: [R_ep, N, K] each.
+
+        A collective over ep_mesh (call it outside the meter); the ep ranks made the same dispatch
+        calls with equal token counts (NativeTrainer splits the batch evenly).
+        """
         out = []
         for layer, indices, backward in self.calls:
             if ep_mesh is None or ep_mesh.size() == 1:
@@ -211,10 +213,10 @@ def plan_expert_bytes(calls: list[DispatchCall], num_experts: int, ep: int, rank
     in backward the same two the reverse way.
     """
     plan: Counter[str] = Counter()
-    row_bytes = latent_size * torch.empty((), dtype=row_dtype).element_size()
+    if ep == 1:
+        return plan
+    row_bytes = latent_size * _element_size(row_dtype)
     for call in calls:
-        if ep == 1:
-            continue
         rows = expert_pairs(call.indices, num_experts, ep, rank)
         one_way = (rows["pairs_sent"] + rows["pairs_received"]) * row_bytes
         plan["ep.all_to_all.counts"] += (ep - 1) * 8
@@ -267,7 +269,8 @@ def fsdp_units(module: nn.Module, layout: NativeLayout) -> list[tuple[str, list[
         prefix = f"layers.{i}."
         names = [n for n in named if n.startswith(prefix)]
         if layout.dp_shard > 1 and any(n in experts for n in names):
-            units.append((f"{prefix}ffn.experts", [(n, named[n]) for n in names if n in experts], layout.dp_shard, True))
+            own = [(n, named[n]) for n in names if n in experts]
+            units.append((f"{prefix}ffn.experts", own, layout.dp_shard, True))
         units.append((f"layers.{i}", [(n, named[n]) for n in names if n not in experts], layout.data_shards, True))
         claimed.update(names)
     root = [(n, p) for n, p in named.items() if n not in claimed and n not in experts]
