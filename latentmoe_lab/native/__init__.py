@@ -5,12 +5,13 @@
     tensor_plan.py   parallelize_module plans for KDA, Gated DSA, dense FFN and shared experts
     expert.py        the autograd All-to-All dispatcher (expert parallelism that trains)
     stage.py         a pipeline stage under the full model's parameter names
-    build.py         build_native: meta build, plans, FSDP2, local shards from safetensors
+    build.py         build_native / from_pretrained: meta build, plans, FSDP2, local shards from safetensors
     train.py         NativeTrainer: one step = the one-process step on the whole batch
     forward.py       native_logits: the global logits of a NativeModel
     checkpoint.py    sharded, pickle-free save / resharding load / export to safetensors
     traffic.py       planned and measured bytes of FSDP2 and the EP All-to-All
     equivalence.py   check_layouts (vs one process), compare_with_hand_written (vs parallel/)
+    placements.py    every parameter's DTensor placement, mesh dims and local shape (notebook 04)
     run.py           `latentmoe-lab train --fsdp/--ep/--tp/--pp`
 
     layout = NativeLayout(dp_shard=2, ep=2)

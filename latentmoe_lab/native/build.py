@@ -118,6 +118,20 @@ def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: st
     return NativeModel(module, layout, mesh, stages, dtype, device)
 
 
+def from_pretrained(path: str | Path, layout: NativeLayout, mesh=None, dtype: torch.dtype = torch.float32
+                    ) -> NativeModel:
+    """A save_pretrained directory (config.json + safetensors) as this rank's NativeModel; reads only its slices.
+
+    mesh: the layout's NativeMesh (built here when None; every rank of the default group must call this).
+    """
+    from latentmoe_lab.checkpoint import CONFIG_NAME
+    from latentmoe_lab.native.layout import build_mesh
+
+    config = ModelConfig.from_json_file(Path(path) / CONFIG_NAME)
+    return build_native(config, layout, mesh if mesh is not None else build_mesh(layout), checkpoint=path,
+                        dtype=dtype)
+
+
 @torch.no_grad()
 def initialise_local_shards(module: nn.Module, seed: int) -> None:
     """A fresh start without a checkpoint: each rank draws its own local shards from `seed`.

@@ -143,9 +143,8 @@ def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = E
 
 def hand_written_worker(pairs: list, settings: EquivalenceSettings, checkpoint: str) -> list[float]:
     """Per rank: logits of each (ParallelConfig, NativeLayout) pair through both engines -> max |difference|."""
-    from latentmoe_lab.native.build import build_native
+    from latentmoe_lab.native.build import from_pretrained
     from latentmoe_lab.native.forward import native_logits
-    from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.parallel.comm import Comm
     from latentmoe_lab.parallel.mesh import ProcessMesh, init_distributed
     from latentmoe_lab.parallel.sharded import parallelize
@@ -160,7 +159,7 @@ def hand_written_worker(pairs: list, settings: EquivalenceSettings, checkpoint: 
         sharded = parallelize(model, Comm(ProcessMesh(pconfig, device)))
         local = sharded.local_inputs(batch)
         hand_written = sharded.gather_logits(sharded(local), local.shape[0], local.shape[1])
-        native = native_logits(build_native(config, layout, build_mesh(layout), checkpoint=checkpoint), batch)
+        native = native_logits(from_pretrained(checkpoint, layout), batch)
         differences.append(float((native - hand_written).abs().max()))
     return differences
 
