@@ -116,8 +116,8 @@ def test_stop_token_and_max_model_len_end_a_request(model):
 
 def test_engine_refuses_configs_it_cannot_serve(model):
     base = {"model": {"max_model_len": 64}, "memory": {"cache_bytes": 500_000, "block_size": 16, "max_num_seqs": 4}}
-    with pytest.raises(ValueError, match="parallel.tensor_parallel_size"):
-        Engine(model, ServiceConfig.from_dict(base | {"parallel": {"tensor_parallel_size": 2}}))
+    with pytest.raises(ValueError, match="parallel.tensor_parallel_size: 3 must divide"):  # 2 runs: 2 processes
+        Engine(model, ServiceConfig.from_dict(base | {"parallel": {"tensor_parallel_size": 3}}))
     with pytest.raises(ValueError, match="model.max_model_len"):
         Engine(model, ServiceConfig.from_dict(base | {"model": {"max_model_len": 10**6}}))
     with pytest.raises(ValueError, match="memory.cache_bytes"):

@@ -11,8 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 PREFIX = "latentmoe"
-# step_failed: engine rebuilt on the same weights; worker_died / worker_hung: weights reloaded too
-RESTART_CAUSES = ("step_failed", "worker_died", "worker_hung")
+# step_failed: engine rebuilt on the same weights; worker_died / worker_hung: weights reloaded too;
+# parallel_worker_lost: a parallel engine replaced its worker processes itself (Engine.stats()["worker_restarts"])
+RESTART_CAUSES = ("step_failed", "worker_died", "worker_hung", "parallel_worker_lost")
+ENGINE_COUNTS = ("preemptions", "prefix_hit_tokens", "worker_restarts")
 
 
 class ServerMetrics:
@@ -48,7 +50,7 @@ class ServerMetrics:
         self.restarts = Counter(f"{p}_engine_restarts", "engine restarts, by cause", ["cause"], registry=r)
         for cause in RESTART_CAUSES:
             self.restarts.labels(cause=cause)  # exported at 0 from the start
-        self._engine_counts = {"preemptions": 0, "prefix_hit_tokens": 0}
+        self._engine_counts = dict.fromkeys(ENGINE_COUNTS, 0)
 
     def observe_engine(self, stats: dict) -> None:
         """Engine.stats() after a step -> gauges, and the engine's counter increments since the last call."""
@@ -59,7 +61,8 @@ class ServerMetrics:
         self.slots_used.set(stats["slots_used"])
         self.slots_free.set(stats["num_slots"] - stats["slots_used"])
         self.cached_blocks.set(stats["cached_blocks"])
-        for name, counter in (("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hit_tokens)):
+        for name, counter in (("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hit_tokens),
+                              ("worker_restarts", self.restarts.labels(cause="parallel_worker_lost"))):
             increment = stats[name] - self._engine_counts[name]
             if increment > 0:
                 counter.inc(increment)
@@ -67,7 +70,7 @@ class ServerMetrics:
 
     def engine_replaced(self) -> None:
         """A fresh engine counts from zero again."""
-        self._engine_counts = {"preemptions": 0, "prefix_hit_tokens": 0}
+        self._engine_counts = dict.fromkeys(ENGINE_COUNTS, 0)
 
     def observe_finished(self, reason: str, token_times: list[float], accepted: float, finished: float) -> None:
         self.requests.labels(reason=reason).inc()

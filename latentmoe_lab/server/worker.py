@@ -15,6 +15,8 @@ Faults, and what the worker does about them:
                                   fresh engine and thread started, every in-flight request re-queued.
     a step hangs                  past server.step_timeout_s the same restart; the old thread, when it
                                   returns, finds its generation stale and exits without a word.
+    a parallel worker process     the engine replaces its worker group itself and recomputes (serving/
+    dies or hangs                 parallel_runner.py); counted as restarts{cause="parallel_worker_lost"}.
 
 Requests that shared a step with a request that fails every time are charged with it (the engine does
 not say which request broke a step); data-dependent failures the engine can pin on one request
@@ -120,6 +122,8 @@ class EngineWorker:
         for thread in [*self._spawned, self._watchdog]:
             if thread is not None:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.engine is not None:
+            self.engine.close()  # a parallel engine's worker processes
 
     def alive(self) -> bool:
         return not self.gave_up and self._thread is not None and self._thread.is_alive()
@@ -272,7 +276,9 @@ class EngineWorker:
 
     def _replace_engine(self, engine: Engine) -> None:
         """Under the lock: swap in a fresh engine and put every unfinished request at the queue's front."""
-        self.engine = engine
+        previous, self.engine = self.engine, engine
+        if previous is not None:
+            previous.close()  # a parallel engine's workers; a hung step of it then fails and its thread exits
         self._by_engine_id = {}
         self.metrics.engine_replaced()
         queued = {id(command[1]) for command in self._commands if command[0] == "add"}

@@ -17,6 +17,10 @@ A bad request (empty, too long, bad sampling params, images that do not match pl
 queue) raises ValueError from add_request; the engine is untouched. A request that fails inside a step
 (its images fail to encode, its logits are not finite) ends with finish_reason "error" and .error set;
 the others go on.
+
+With parallel.tensor_parallel_size / expert_parallel_size > 1 the forward runs on tp * ep worker
+processes (parallel_runner.py); a worker that dies or hangs is replaced by a fresh group and every running
+request recomputed, so callers see no error; call close() to stop the workers.
 """
 from __future__ import annotations
 
@@ -28,15 +32,19 @@ import torch
 from tqdm.auto import tqdm
 
 from latentmoe_lab.finite import first_non_finite
+from latentmoe_lab.parallel.tensor import local_config
 from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.inputs import prompt_inputs
 from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
 from latentmoe_lab.serving.model_runner import ModelRunner
+from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
 from latentmoe_lab.serving.planner import allocate_pools, plan_cache
 from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
+
+MAX_WORKER_RESTARTS_IN_A_ROW = 3  # a parallel step that loses its workers again and again raises
 
 
 class QueueFullError(ValueError):
@@ -60,10 +68,9 @@ class Engine:
         if not isinstance(service_config, ServiceConfig):
             raise TypeError(f"service_config: expected a ServiceConfig, got {type(service_config).__name__}")
         cfg = service_config
-        for key in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size"):
-            if getattr(cfg.parallel, key) != 1:
-                raise ValueError(f"parallel.{key}: the in-process engine runs on one device, got "
-                                 f"{getattr(cfg.parallel, key)} (plan-service plans multi-device layouts)")
+        layout = serving_layout(model.config, cfg.parallel)  # None: one process; else tp * ep workers
+        if layout is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device: parallel serving runs its gloo workers on the CPU, got {device}")
         self.config = cfg
         self.model_config = model.config
         if cfg.model.max_model_len > self.model_config.max_position_embeddings:
@@ -73,18 +80,23 @@ class Engine:
         expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype)
         if expected is not None and weights != expected:
             raise ValueError(f"model.dtype: the config says {cfg.model.dtype} but the model's weights are {weights}")
-        self.plan = plan_cache(self.model_config, cfg)
-        self.pools = allocate_pools(self.model_config, self.plan, device)
+        # with tensor parallelism every rank's pools hold its local KDA heads: plan one rank's share
+        self.plan = plan_cache(self.model_config if layout is None else local_config(self.model_config, layout.tp),
+                               cfg)
+        self.pools = None if layout is not None else allocate_pools(self.model_config, self.plan, device)
         self.block_manager = BlockManager(self.plan.num_blocks, cfg.memory.block_size, self.plan.num_slots,
                                           self.plan.num_snapshots, cfg.memory.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
-                                   cfg.scheduler.chunked_prefill, self.pools.copy_slot)
-        self.runner = ModelRunner(model, self.pools, cfg.memory.block_size, device)
         self.log = MetricsLog()
         self._sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self._steps = 0
         self._tokens = {"prefill": 0, "decode": 0}
+        # last: a parallel runner starts worker processes, which nothing after it may leave behind
+        self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device) if layout is None
+                       else ParallelRunner(model, self.plan, layout))
+        copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
+        self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
+                                   cfg.scheduler.chunked_prefill, copy_slot)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
@@ -138,6 +150,11 @@ class Engine:
         if batch.entries:
             try:
                 output = self.runner.run(batch)
+            except WorkerGroupError as error:
+                self._restart_workers()
+                if not error.lost or self.runner.restarts_in_a_row > MAX_WORKER_RESTARTS_IN_A_ROW:
+                    raise
+                return outputs  # failover: every running sequence is recomputed from the next step on
             except Exception:
                 # the layers before the failure already advanced these KDA slots: recompute them from scratch
                 for seq, _ in reversed(batch.entries):
@@ -175,6 +192,21 @@ class Engine:
             slots_used=self.block_manager.slots_used, preemptions=len(batch.preempted),
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens))
         return outputs
+
+    def _restart_workers(self) -> None:
+        """After a worker group failed: a fresh group (weights reloaded, empty pools), every running sequence
+        back to the head of the waiting queue with prompt + tokens so far, the prefix cache forgotten."""
+        for seq in reversed(list(self.scheduler.running)):
+            self.scheduler.preempt(seq)
+        old = self.block_manager
+        self.block_manager = self.scheduler.blocks = BlockManager(
+            old.num_blocks, old.block_size, old.num_slots, old.num_snapshots, old.enable_prefix_caching)
+        self.runner.restart()
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing to stop in one process)."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
 
     def _encode_images(self, batch) -> list[tuple[Sequence, str]]:
         failed = []
@@ -247,4 +279,5 @@ class Engine:
                 "blocks_used": bm.blocks_used, "slots_used": bm.slots_used, "num_blocks": bm.num_blocks,
                 "num_slots": bm.num_slots, "cached_blocks": bm.cached_blocks, "snapshots": bm.snapshots_held,
                 "preemptions": self.scheduler.num_preemptions, "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
-                "prefill_tokens": self._tokens["prefill"], "decode_tokens": self._tokens["decode"]}
+                "prefill_tokens": self._tokens["prefill"], "decode_tokens": self._tokens["decode"],
+                "worker_restarts": getattr(self.runner, "restarts", 0)}

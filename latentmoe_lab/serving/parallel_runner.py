@@ -1,0 +1,237 @@
+"""Parallel serving: the engine's steps on tp * ep worker processes (docs/design.md §10).
+
+    Engine (scheduler, sampling, vision tower)        this process: plans blocks and slots, builds each
+        |  pipe: the step's ForwardBatch              step's ForwardBatch, samples from rank 0's logits
+    rank 0 ---- broadcast over gloo ----> ranks 1..n-1   parallel_worker.py: every rank runs the forward
+        |  pipe: logits [S, vocab], finite flags      over its shard and its own pools
+
+`serving_layout` turns the YAML `parallel` section into a ParallelConfig and refuses what cannot run,
+naming the key. `WorkerGroup` owns the processes: forkserver children (a clean single-threaded parent,
+never a fork of a threaded server), a TCPStore on 127.0.0.1 for their rendezvous, a timeout on every
+group. `ParallelRunner` is the engine's ModelRunner for them: the same ForwardBatch, KDA slot copies
+queued and sent with the next step, and `restart()` for failover.
+
+Failure: while the engine waits for a step, it watches rank 0's answer, every rank's pipe and every
+process's sentinel. A killed rank is seen at once (its sentinel); a hung one when its peers' collectives
+time out (the group timeout) and they report it. Either way the whole group is killed and WorkerGroupError
+raised; `lost` says whether it was a lost process (the engine restarts and recomputes, docs/design.md §10)
+rather than an exception in the model (the engine restarts, then raises it like a one-process step).
+
+The workers are started like any spawn / forkserver child, so a script that builds a parallel Engine
+needs the usual `if __name__ == "__main__":` guard (the children import the main module).
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import time
+from multiprocessing.connection import wait
+
+import torch
+
+from latentmoe_lab.model import CausalLMOutput
+from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.launch import loopback_store
+from latentmoe_lab.serving.config import ParallelSection
+from latentmoe_lab.serving.model_runner import ModelRunner
+from latentmoe_lab.serving.parallel_worker import pack_batch, run_worker
+
+GROUP_TIMEOUT_S = 30.0  # every process group's timeout: a hung rank is detected within it
+START_TIMEOUT_S = 120.0  # joining + loading weights, on a busy shared machine
+STOP_TIMEOUT_S = 10.0
+REPORT_GRACE_S = 0.5  # after a failure, how long the other ranks' reports may take to arrive
+KEYS = {"tp": "tensor_parallel_size", "ep": "expert_parallel_size"}
+
+
+class WorkerGroupError(RuntimeError):
+    """The worker group failed a step; it has been killed. lost: a rank died or hung (no exception of its own)."""
+
+    def __init__(self, message: str, lost: bool):
+        super().__init__(message)
+        self.lost = lost
+
+
+def serving_layout(config, section: ParallelSection, timeout_s: float = GROUP_TIMEOUT_S) -> ParallelConfig | None:
+    """The ParallelConfig of a service's `parallel` section, None for one process; ValueError naming the key."""
+    if section.pipeline_parallel_size != 1:
+        raise ValueError(f"parallel.pipeline_parallel_size: must be 1 for serving, got "
+                         f"{section.pipeline_parallel_size}; the paged serving forward runs every layer on "
+                         f"every rank (tensor and expert parallelism only; plan-service plans pipelines)")
+    pconfig = ParallelConfig(tp=section.tensor_parallel_size, ep=section.expert_parallel_size, timeout_s=timeout_s)
+    if pconfig.world_size == 1:
+        return None
+    try:
+        pconfig.validate_for(config)  # heads, expert and FFN widths (so the shared experts' too), experts
+    except ValueError as error:
+        dim, rule = str(error).split(": ", 1)
+        raise ValueError(f"parallel.{KEYS[dim]}: {rule}") from None
+    return pconfig
+
+
+def weights_bytes(model) -> bytes:
+    """The model's state as safetensors bytes, the form every worker (re)loads its weights from."""
+    from safetensors.torch import save
+
+    # clone: tied tensors (embedding and LM head) share storage, which safetensors refuses
+    return save({name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()})
+
+
+class WorkerGroup:
+    """tp * ep worker processes in one gloo group, started by start(), ended by close() or kill()."""
+
+    def __init__(self, pconfig: ParallelConfig, config, plan, weights: bytes):
+        self.pconfig, self.config, self.plan, self.weights = pconfig, config, plan, weights
+        self.processes: list = []
+        self.conns: list = []
+        self._store = contextlib.ExitStack()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def start(self) -> "WorkerGroup":
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["latentmoe_lab.serving.parallel_worker"])
+        port = self._store.enter_context(loopback_store(self.pconfig.timeout_s))
+        heartbeat = self.pconfig.timeout_s / 4
+        for rank in range(self.pconfig.world_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=run_worker, name=f"latentmoe-serve-rank{rank}", daemon=True,
+                                      args=(rank, self.pconfig, port, self.config, self.plan, self.weights,
+                                            theirs, heartbeat))
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.conns.append(ours)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = set(range(len(self.conns)))
+        while waiting:
+            ready = wait([self.conns[r] for r in waiting] + [self.processes[r].sentinel for r in waiting],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._failure(f"workers {sorted(waiting)} did not start within {START_TIMEOUT_S}s")
+            for rank in list(waiting):
+                if self.conns[rank] in ready or self.processes[rank].sentinel in ready:
+                    reply = self._receive(rank)
+                    if reply is None or reply[0] != "ready":
+                        raise self._failure(f"worker {rank} failed to start", reply)
+                    waiting.discard(rank)
+        return self
+
+    def step(self, header: dict, flat: torch.Tensor,
+             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
+        """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, rank 0's (forward, collective)
+        seconds); WorkerGroupError on any failure."""
+        if not self.conns:
+            raise self._failure("the group was killed after an earlier failure")
+        try:
+            self.conns[0].send((header, flat.numpy(), None if features is None else features.numpy()))
+        except OSError as error:
+            raise self._failure(f"rank 0 cannot take the step ({error})") from None
+        # a hung rank makes its peers' collectives time out, and they report it; this deadline is the
+        # backstop for a group that stops answering as a whole (a whole step may outlast one collective)
+        deadline = time.monotonic() + 2 * self.pconfig.timeout_s
+        while True:
+            ready = wait(self.conns + [p.sentinel for p in self.processes],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._failure(f"no answer within twice the group timeout ({self.pconfig.timeout_s}s)")
+            if self.conns[0] in ready:
+                reply = self._receive(0)
+                if reply is not None and reply[0] == "logits":
+                    return torch.from_numpy(reply[1]), torch.from_numpy(reply[2]), reply[3]
+                raise self._failure("rank 0 failed the step", reply)
+            rank = next(r for r, p in enumerate(self.processes) if self.conns[r] in ready or p.sentinel in ready)
+            raise self._failure(f"rank {rank} failed the step", self._receive(rank))
+
+    def _receive(self, rank: int):
+        """Rank's next message, or None when its pipe is closed (the process died without a word)."""
+        try:
+            return self.conns[rank].recv() if self.conns[rank].poll(0) else None
+        except (EOFError, OSError):
+            return None
+
+    def _failure(self, what: str, first=None) -> WorkerGroupError:
+        """Collect what the ranks reported, kill the group, and describe it (lost unless a rank raised)."""
+        time.sleep(REPORT_GRACE_S)
+        reports = [first] + [self._receive(r) for r in range(len(self.conns))]
+        reports = [r for r in reports if r is not None and r[0] in ("error", "collective")]
+        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.processes)
+                if p.exitcode not in (None, 1)]  # 1: a rank that reported its error and left
+        self.kill()
+        lost = not any(kind == "error" for kind, _ in reports)
+        detail = "; ".join(text.splitlines()[0] for _, text in reports[:3]) or "no rank reported an error"
+        killed = f"; killed or crashed: {', '.join(dead)}" if dead else ""
+        return WorkerGroupError(f"parallel workers: {what}{killed}; {detail}", lost)
+
+    def close(self) -> None:
+        """Ask the group to stop, wait for it, then kill whatever is left."""
+        if self.processes and self.processes[0].is_alive():
+            with contextlib.suppress(OSError):
+                self.conns[0].send(({"kind": "stop"}, None, None))
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(timeout=STOP_TIMEOUT_S)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self._store.close()
+
+
+class ParallelRunner(ModelRunner):
+    """ModelRunner for a worker group: build_batch and encode_images as in one process, the forward on the ranks.
+
+    The engine's model stays whole here: the vision tower runs in this process, and restart() reloads the
+    workers' weights from it. copy_slot (the scheduler's prefix snapshots) is queued and applied by every
+    rank before the next step's forward, in order.
+    """
+
+    def __init__(self, model, plan, pconfig: ParallelConfig):
+        super().__init__(model, None, plan.block_size)
+        self.plan, self.pconfig = plan, pconfig
+        self.restarts = 0
+        self.restarts_in_a_row = 0  # since the last step that succeeded
+        self.forward_seconds = self.collective_seconds = 0.0  # rank 0's, summed over steps
+        self._copies: list[tuple[int, int]] = []
+        self.group = WorkerGroup(pconfig, model.config, plan, weights_bytes(model)).start()
+
+    @property
+    def pids(self) -> list[int]:
+        return self.group.pids
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._copies.append((src, dst))
+
+    @torch.no_grad()
+    def run(self, batch) -> CausalLMOutput:
+        """Run one step on the workers -> CausalLMOutput(logits [S, vocab] fp32, finite), as ModelRunner.run."""
+        for seq, _ in batch.entries:
+            self.encode_images(seq)
+        start = time.monotonic()
+        header, flat, features = pack_batch(self.build_batch(batch), self._copies)
+        self._copies = []
+        self.last_build_time = time.monotonic() - start
+        logits, finite, (forward, collective) = self.group.step(header, flat, features)
+        self.forward_seconds += forward
+        self.collective_seconds += collective
+        self.restarts_in_a_row = 0
+        return CausalLMOutput(logits=logits, finite=finite)
+
+    def restart(self) -> None:
+        """A fresh group with the weights reloaded and empty pools (the engine recomputes every sequence)."""
+        self.group.kill()
+        self._copies = []
+        self.restarts += 1
+        self.restarts_in_a_row += 1
+        self.group = WorkerGroup(self.pconfig, self.model.config, self.plan, weights_bytes(self.model)).start()
+
+    def close(self) -> None:
+        self.group.close()

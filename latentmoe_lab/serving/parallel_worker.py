@@ -1,0 +1,193 @@
+"""One rank of a parallel serving group: its TP/EP shard, its own paged pools, a forward per step (docs/design.md §10).
+
+A long-lived process (parallel/launch.py runs functions to completion; a server needs ranks that wait for
+the next step). parallel_runner.WorkerGroup starts tp * ep of them; each
+
+    joins     gloo over the TCPStore the engine process serves on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), then
+              ProcessMesh gives every tp / ep line its own group, all with the layout's timeout
+    loads     the full weights from safetensors bytes and cuts its shard the way parallel/sharded.py does:
+              heads and FFN widths sliced (parallel/tensor.py), experts [r*E/ep, (r+1)*E/ep) behind the
+              All-to-All dispatcher (parallel/expert.py); its config then carries heads / tp
+    allocates PagedPools of the engine's plan for those local heads: KDA state [rows, H/tp, d_k, d_v]; the
+              DSA latent and indexer keys are replicated, so the block pools are whole on every rank
+    loops     rank 0 takes a step from the engine's pipe and broadcasts it (a header object, then the
+              ForwardBatch's index tensors as one flat int64 tensor, then the image features); every
+              rank applies the step's KDA slot copies and runs the forward; rank 0 sends back the logits
+              with its forward and collective seconds (parallel/comm.py's timeline).
+
+Every rank sees the same tokens, so each EP rank routes all of them: its All-to-All rows duplicate the
+other rank's, which costs compute but not correctness (each rank gets the complete expert sum).
+While the engine is idle rank 0 broadcasts a heartbeat every HEARTBEAT_S, so that the ranks waiting in
+the broadcast never reach the group timeout; a dead peer still surfaces within it. A rank that fails
+reports ("collective" | "error", text) on its pipe and exits: the engine then restarts the whole group.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from latentmoe_lab.config import KDA, ModelConfig
+from latentmoe_lab.forward_batch import ForwardBatch
+from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.parallel.comm import Comm, CollectiveError
+from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.expert import AllToAllDispatcher, ParallelMoE, expert_range
+from latentmoe_lab.parallel.mesh import ProcessMesh
+from latentmoe_lab.parallel.sequence import SequenceLayout
+from latentmoe_lab.parallel.tensor import (TensorParallel, local_config, shard_dsa, shard_experts, shard_kda,
+                                           shard_swiglu)
+
+INDEX_FIELDS = ("input_ids", "positions", "query_start", "context_len", "state_slot", "block_table",
+                "slot_mapping", "emit", "image_mask")
+BOOL_FIELDS = ("emit", "image_mask")
+
+
+# ------------------------------------------------------------------ the step on the wire
+def pack_batch(batch: ForwardBatch, copies: list[tuple[int, int]]) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """ForwardBatch + the KDA slot copies to apply before it -> (header, flat int64 [n], features | None)."""
+    parts = {name: getattr(batch, name) for name in INDEX_FIELDS if getattr(batch, name) is not None}
+    features = batch.image_features
+    header = {"kind": "step", "block_size": batch.block_size, "copies": list(copies),
+              "shapes": {name: tuple(t.shape) for name, t in parts.items()},
+              "features": None if features is None else (tuple(features.shape), str(features.dtype).split(".")[-1])}
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in parts.values()])
+    return header, flat, features
+
+
+def unpack_batch(header: dict, flat: torch.Tensor, features: torch.Tensor | None) -> ForwardBatch:
+    fields, offset = {}, 0
+    for name, shape in header["shapes"].items():
+        size = math.prod(shape)
+        value = flat[offset:offset + size].view(shape)
+        fields[name] = value.bool() if name in BOOL_FIELDS else value
+        offset += size
+    return ForwardBatch(**fields, block_size=header["block_size"], image_features=features)
+
+
+def _flat_numel(header: dict) -> int:
+    return sum(math.prod(shape) for shape in header["shapes"].values())
+
+
+def broadcast_message(rank: int, message: tuple | None) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+    """Rank 0's (header, flat, features) -> the same on every rank of the world group; header alone for
+    "ping" and "stop". A failure is re-raised as CollectiveError naming the rank."""
+    try:
+        box = [message[0] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        header = box[0]
+        if header["kind"] != "step":
+            return header, None, None
+        flat = message[1] if rank == 0 else torch.empty(_flat_numel(header), dtype=torch.int64)
+        dist.broadcast(flat, src=0)
+        features = None
+        if header["features"] is not None:
+            shape, dtype = header["features"]
+            features = message[2] if rank == 0 else torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(features, src=0)
+        return header, flat, features
+    except Exception as error:  # noqa: BLE001 - named and re-raised
+        raise CollectiveError(f"rank {rank}: broadcast of the step failed (a peer died or timed out): "
+                              f"{error}") from error
+
+
+# ------------------------------------------------------------------ this rank's shard
+def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm) -> LatentMoEForCausalLM:
+    """Cut `model` (this process's own copy) in place to this rank's TP/EP shard, for the paged forward.
+
+    The blocks keep their forward: attention and dense / shared FFNs become sliced copies whose partial
+    sums TensorParallel completes; each MoE keeps its experts behind the All-to-All dispatcher. The model's
+    config becomes local_config(config, tp), the head counts its pools are shaped for.
+    """
+    pconfig, config, mesh = comm.mesh.pconfig, model.config, comm.mesh
+    tp, tp_index, whole = pconfig.tp, mesh.index("tp"), SequenceLayout()
+    experts = expert_range(config.moe.num_experts, pconfig.ep, mesh.index("ep"))
+    for block in model.layers:
+        if tp > 1:
+            attn = (shard_kda if block.attention_type == KDA else shard_dsa)(block.attn, config, tp_index, tp)
+            block.attn = TensorParallel(attn, comm, whole, "tp.attn")
+        if not block.is_moe:
+            if tp > 1:
+                block.ffn = TensorParallel(shard_swiglu(block.ffn, tp_index, tp), comm, whole, "tp.dense")
+            continue
+        layer = block.ffn
+        layer.experts = shard_experts(layer.experts, experts.start, len(experts), tp_index, tp)
+        if layer.shared is not None and tp > 1:
+            layer.shared = TensorParallel(shard_swiglu(layer.shared, tp_index, tp), comm, whole, "tp.moe_shared")
+        block.ffn = ParallelMoE(layer, AllToAllDispatcher(comm, config.moe.num_experts), comm, whole,
+                                pconfig.overlap)
+    model.config = local_config(config, tp)
+    return model
+
+
+def load_weights(config: ModelConfig, weights: bytes) -> LatentMoEForCausalLM:
+    """The full model from safetensors bytes (parallel_runner.weights_bytes)."""
+    from safetensors.torch import load
+
+    state = load(weights)
+    model = LatentMoEForCausalLM(config).to(next(iter(state.values())).dtype)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+# ------------------------------------------------------------------ the process
+def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: ModelConfig, plan, weights: bytes,
+               conn, heartbeat_s: float) -> None:
+    """The body of one worker process (module level, so the forkserver can start it)."""
+    try:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on the loopback interface only
+        torch.set_num_threads(1)
+        timeout = timedelta(seconds=pconfig.timeout_s)
+        store = dist.TCPStore("127.0.0.1", store_port, pconfig.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=pconfig.world_size, timeout=timeout)
+        from latentmoe_lab.serving.planner import allocate_pools
+
+        comm = Comm(ProcessMesh(pconfig))
+        comm.timeline = []  # every collective of the forward, for rank 0's collective seconds
+        model = shard_for_serving(load_weights(config, weights), comm)
+        pools = allocate_pools(plan.config, plan)
+        conn.send(("ready", os.getpid()))
+        _serve(rank, model, pools, comm, conn, heartbeat_s)
+    except BaseException as error:  # noqa: BLE001 - reported to the engine, then this process ends
+        kind = "collective" if isinstance(error, CollectiveError) else "error"
+        try:
+            conn.send((kind, f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        except OSError:
+            pass  # the engine is gone too
+        os._exit(1)  # not a clean teardown: a peer may be dead, and destroy_process_group could wait on it
+    dist.destroy_process_group()
+
+
+def _serve(rank: int, model, pools, comm: Comm, conn, heartbeat_s: float) -> None:
+    while True:
+        message = None
+        if rank == 0:
+            try:
+                message = conn.recv() if conn.poll(heartbeat_s) else ({"kind": "ping"},)
+            except EOFError:  # the engine process ended without a word: take the group down with it
+                message = ({"kind": "stop"},)
+            if message[0]["kind"] == "step":
+                message = (message[0], torch.from_numpy(message[1]),
+                           None if message[2] is None else torch.from_numpy(message[2]))
+        header, flat, features = broadcast_message(rank, message)
+        if header["kind"] == "stop":
+            return
+        if header["kind"] == "ping":
+            continue
+        for src, dst in header["copies"]:
+            pools.copy_slot(src, dst)
+        batch = unpack_batch(header, flat, features)
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = model(batch.input_ids, batch=batch, pools=pools)
+        # an async All-to-All counts until it is waited on, so the shared experts it overlaps count too
+        collective = sum(event.end - event.start for event in comm.timeline if event.end is not None)
+        comm.timeline.clear()
+        if rank == 0:
+            conn.send(("logits", output.logits.numpy(), output.finite.numpy(),
+                       (time.perf_counter() - start, collective)))

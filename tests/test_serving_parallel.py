@@ -1,0 +1,141 @@
+"""Parallel serving (docs/design.md §10): an EP2xTP2 engine on 4 gloo worker processes gives the greedy tokens
+of the one-process engine, survives a worker killed with SIGKILL mid-generation, and leaves no process behind."""
+import os
+import signal
+import threading
+
+import httpx
+import openai
+import psutil
+import pytest
+import torch
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.forward_batch import ForwardBatch
+from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.server.threaded import start_service
+from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving.parallel_runner import WorkerGroupError
+from latentmoe_lab.serving.parallel_worker import pack_batch
+
+SERVICE = {"model": {"preset": "tiny", "max_model_len": 256},
+           "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True},
+           "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}}
+EP2TP2 = SERVICE | {"parallel": {"tensor_parallel_size": 2, "expert_parallel_size": 2}}
+# ragged: one token, under / over a block and a chunk; 1..n prompts share prefixes (prefix cache + KDA snapshots)
+PROMPTS = [list(range(1, 1 + n)) for n in (1, 5, 17, 40, 33, 2, 64)] + [[7, 300, 11, 42, 5, 9, 260, 3, 1]]
+PARAMS = SamplingParams(max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    outputs = Engine(model, ServiceConfig.from_dict(SERVICE)).generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [o.token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, ServiceConfig.from_dict(EP2TP2))
+    yield engine
+    engine.close()
+
+
+def test_ep2tp2_greedy_equals_one_process(engine, reference):
+    assert len(engine.runner.pids) == 4
+    outputs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+    assert [o.token_ids for o in outputs] == reference
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] > 0  # slot copies reached every rank's pools
+    assert stats["blocks_used"] == 0 and stats["slots_used"] == 0
+
+
+@pytest.mark.parametrize("victim", [2, 0])  # a plain rank; rank 0, the one that talks to the engine
+def test_killed_worker_mid_generation_is_replaced_and_outputs_equal(engine, reference, victim):
+    restarts, old_pids = engine.stats()["worker_restarts"], list(engine.runner.pids)
+    ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    results, killed = {}, False
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+        running = engine.scheduler.running
+        if not killed and any(seq.generated_ids for seq in running):  # mid-generation
+            os.kill(old_pids[victim], signal.SIGKILL)
+            killed = True
+    assert killed
+    assert [results[i].token_ids for i in ids] == reference
+    assert [results[i].finish_reason for i in ids] == ["length"] * len(PROMPTS)
+    assert engine.stats()["worker_restarts"] == restarts + 1
+    assert not set(engine.runner.pids) & set(old_pids)
+    assert not any(psutil.pid_exists(pid) for pid in old_pids)  # the old group was killed and reaped
+
+
+def test_a_rank_that_raises_is_reported_and_the_next_step_restarts_the_group(engine, reference):
+    bad = ForwardBatch.from_sequences([[1, 2]], [0], [[0]], state_slots=[10_000], block_size=16)
+    with pytest.raises(WorkerGroupError, match="batch.state_slot") as caught:
+        engine.runner.group.step(*pack_batch(bad, []))
+    assert not caught.value.lost  # an exception of the model, not a lost process
+    restarts = engine.stats()["worker_restarts"]
+    outputs = engine.generate(PROMPTS[:3], PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == reference[:3]
+    assert engine.stats()["worker_restarts"] == restarts + 1
+
+
+def test_close_leaves_no_worker_process(model):
+    engine = Engine(model, ServiceConfig.from_dict(EP2TP2))
+    pids = list(engine.runner.pids)
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    engine.close()
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+    engine.close()  # twice is harmless
+
+
+def test_server_keeps_every_stream_through_a_killed_worker_and_counts_the_restart(reference):
+    with start_service(EP2TP2 | {"server": {"max_retries": 2}}) as (served, worker):
+        first_pids = list(worker.engine.runner.pids)
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="-", max_retries=0, timeout=120)
+        results, errors, first_token = [None] * len(PROMPTS), [], threading.Event()
+
+        def one(i):
+            try:
+                ids = []
+                for chunk in client.completions.create(model="latentmoe", prompt=PROMPTS[i], max_tokens=6,
+                                                       temperature=0, stream=True):
+                    ids += chunk.choices[0].model_extra["token_ids"]
+                    first_token.set()
+                results[i] = ids
+            except Exception as error:  # noqa: BLE001 - collected and asserted
+                errors.append(repr(error))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for thread in threads:
+            thread.start()
+        assert first_token.wait(60)
+        os.kill(first_pids[1], signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=120)
+        assert errors == [] and results == reference
+        line = 'latentmoe_engine_restarts_total{cause="parallel_worker_lost"} '
+        metrics = httpx.get(served.url + "/metrics").text.splitlines()
+        assert float(next(x for x in metrics if x.startswith(line)).split()[-1]) == 1
+        pids = first_pids + list(worker.engine.runner.pids)
+    assert not any(psutil.pid_exists(pid) for pid in pids)  # stopping the server stopped its workers
+
+
+@pytest.mark.parametrize("parallel, key", [
+    ({"tensor_parallel_size": 3}, "parallel.tensor_parallel_size: 3 must divide kda.num_heads"),
+    ({"expert_parallel_size": 3}, "parallel.expert_parallel_size: 3 must divide moe.num_experts"),
+    ({"pipeline_parallel_size": 2}, "parallel.pipeline_parallel_size: must be 1 for serving"),
+])
+def test_bad_parallel_sizes_name_the_key(model, parallel, key):
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=key):
+        Engine(model, ServiceConfig.from_dict(SERVICE | {"parallel": parallel}))
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children  # nothing was started
