@@ -26,10 +26,15 @@
 # 5. the full-scale planner: EP64 x TP8 x PP4 = 2048, TP8 x PP4 x EP8 x DP2 = 512, and the serving
 #    layout TP8 x EP8 x PP2: memory per device, traffic, roofline step time, and which fit;
 # 6. an explorer over layouts and hardware;
-# 7. accelerate big-model placement and disk offload of cold experts.
+# 7. accelerate big-model placement and disk offload of cold experts;
+# 8. the same layouts on torch's own engine (`latentmoe_lab.native`: DeviceMesh, DTensor tensor
+#    parallelism, FSDP2, expert parallelism that trains, `torch.distributed.pipelining`): equal to one
+#    process after training steps, what each parameter's DTensor placement means, and how such a run
+#    launches on a cluster.
 #
-# Everything is attached to the single-device model from outside (`latentmoe_lab.parallel`): the
-# layers keep their math; wrappers only move tensors between ranks.
+# Sections 1-7 use `latentmoe_lab.parallel`, attached to the single-device model from outside: the
+# layers keep their math; wrappers only move tensors between ranks, with every collective written by
+# hand. Section 8 drives the same layers with torch's distributed engine instead.
 
 # %% tags=["parameters"]
 import os
@@ -273,3 +278,215 @@ print(f"max |logits - resident| = {error:.1e}")
 for layer_idx, experts in offloaded.items():
     print(f"layer {layer_idx}: hot experts {experts.hot}, cache {experts.cache.stats()}, "
           f"read from disk {format_bytes(experts.bytes_read)}")
+
+# %% [markdown]
+# ## 8. The same layouts on torch's own engine
+#
+# `latentmoe_lab.native` (docs/design.md §11) runs these layouts through the pieces a cluster run in
+# PyTorch is made of, and keeps `latentmoe_lab.parallel` (sections 1-7) as the readable twin it is
+# checked against. The layers are the same classes in both; what differs is who moves the tensors:
+#
+# | | `parallel/` (sections 1-7) | `native/` |
+# |---|---|---|
+# | mesh | `ProcessMesh` (pp, dp, ep, cp, tp), one process group per line | `init_device_mesh` with named dims (pp, dp_shard, ep, tp), plus "data", the flattened dp_shard x ep: the ranks that hold different batch rows |
+# | tensor parallelism | sharded layer copies, collectives written by hand | `parallelize_module` plans: `ColwiseParallel` / `RowwiseParallel` on the KDA and MLA projections, the dense FFN and the shared experts; `LocalParams`, a `ParallelStyle`, for the parameters a layer uses directly (A_log, dt_bias, the short conv, per-head norms, W_kvb) |
+# | data parallelism | replicas (dp) | FSDP2 `fully_shard` on every block and the root over "data", the experts over dp_shard alone; a mixed-precision policy (`param_dtype`) |
+# | expert parallelism | forward only; one row per (token, destination rank), routing weights sent along | an All-to-All inside an `autograd.Function` whose backward is the reverse All-to-All: one row per (token, expert) pair, the routing weights applied on the token's own rank |
+# | pipeline | send / recv, GPipe and 1F1B written here (section 4) | `torch.distributed.pipelining` (GPipe, 1F1B) over a stage module that keeps the full model's parameter names |
+# | training | PP x DP | every layout |
+# | building | every rank builds the whole model, then keeps its part | meta device, plans, `fully_shard`, `to_empty`, then only this rank's slices read from the safetensors files (DCP's `HuggingFaceStorageReader`) |
+# | context parallelism | cp | no cp dim (yet) |
+#
+# ### 8.1 Equal to one process, after training steps
+#
+# `check_layouts` writes one seeded checkpoint (`save_pretrained`), trains the plain single-device model
+# on the whole global batch in this kernel (AdamW, gradient clipping at 1.0, the routing-bias update), and
+# launches each layout as local gloo processes: every rank builds its share from the checkpoint, runs the
+# first batch forward, takes the same steps on the same global batches, and gathers every parameter with
+# `DTensor.full_tensor()`. The runs are in float64: Adam's first steps are close to sign(g), so in fp32 a
+# gradient element near zero that differs by rounding alone could move a weight by a whole learning rate
+# (1e-3); in fp64 a real mistake, such as a missing gradient reduction, still shows at about that size.
+
+# %%
+from latentmoe_lab.native import NATIVE_DIMS, NativeLayout
+from latentmoe_lab.native.equivalence import EquivalenceSettings, check_layouts, compare_with_hand_written
+from latentmoe_lab.native.placements import parameter_placements
+from latentmoe_lab.parallel.config import ParallelConfig
+
+native_layouts = [NativeLayout(tp=2)]  # each layout is one launch of fresh processes: smoke mode keeps one
+if not SMOKE:
+    native_layouts = [NativeLayout(dp_shard=2), NativeLayout(tp=2), NativeLayout(ep=2), NativeLayout(ep=2, tp=2),
+                      NativeLayout(dp_shard=2, ep=2), NativeLayout(pp=2, tp=2)]
+equivalence = EquivalenceSettings(steps=2 if SMOKE else 3)  # 2: the losses must show the weights moving
+native_reports = check_layouts(native_layouts, equivalence)
+print(f"{equivalence.steps} AdamW steps, batch {equivalence.batch} x {equivalence.seq_len} tokens, {equivalence.dtype}")
+print(f"{'layout':<12}{'processes':>10}{'max |logit err|':>17}{'max |param err|':>17}{'params':>8}"
+      f"{'max |loss err|':>16}   losses (layout)")
+for layout, report in zip(native_layouts, native_reports):
+    loss_error = max(abs(a - b) for a, b in zip(report.losses, report.reference_losses))
+    print(f"{report.layout:<12}{layout.world_size:>10}{report.max_logit_error:>17.1e}{report.max_param_error:>17.1e}"
+          f"{report.compared_params:>8}{loss_error:>16.1e}   " + ", ".join(f"{x:.6f}" for x in report.losses))
+print(f"{'1 process':<12}{1:>10}{'':>58}   " + ", ".join(f"{x:.6f}" for x in native_reports[0].reference_losses))
+assert all(r.max_logit_error <= 1e-5 and r.max_param_error <= 1e-5 for r in native_reports)
+assert all(abs(a - b) <= 1e-5 for r in native_reports for a, b in zip(r.losses, r.reference_losses, strict=True))
+assert native_reports[0].reference_losses[0] != native_reports[0].reference_losses[-1]  # training moved the weights
+
+# %% [markdown]
+# Every parameter of every layout ("params" counts the gathered tensors compared, over all ranks; a
+# pipeline rank holds only its stage's) ends the steps within 1e-5 of the one-process run, and far closer
+# in fact: what is left is rounding, from sums taken in another order. The logits come back in fp32 (the
+# head's output is cast), so fp64-sized differences mostly round away there, and the losses (computed
+# from those fp32 logits) differ by fp32 rounding where the batch is split over ranks and the per-rank
+# means are averaged. Each layout moves its tensors differently: FSDP2 all-gathers each block's weights
+# before its forward and reduce-scatters the gradients after its backward; TP2 splits heads and FFN
+# widths and sums partial outputs; EP2 sends tokens to the rank holding their expert and the gradients
+# back the same way; PP2 runs the blocks as two stages under a pipeline schedule.
+#
+# The native engine against the hand-written one, from one fp32 checkpoint: the logits of the same
+# layout through `parallel/` and through `native/`.
+
+# %%
+pairs = {"TP2": (ParallelConfig(tp=2), NativeLayout(tp=2)), "EP2": (ParallelConfig(ep=2), NativeLayout(ep=2))}
+differences = dict(zip(pairs, compare_with_hand_written(list(pairs.values()))))
+for name, difference in differences.items():
+    print(f"{name}: max |native logits - parallel/ logits| = {difference:.1e} (fp32)")
+assert all(d <= 1e-5 for d in differences.values())
+
+# %% [markdown]
+# ### 8.2 Where each parameter lives: DTensor placements
+#
+# A parameter that a plan or FSDP2 touched is a `DTensor`: a global shape, a mesh (a sub-mesh of the
+# named dims) and one *placement* per mesh dim saying how the global tensor maps onto that dim's ranks. The
+# table lists each parameter kind once, with the blocks it occurs in, as rank 0 holds it, and the
+# placement of its gradient after one forward and backward on a small batch (before any optimizer step).
+
+# %%
+placement_layouts = {"TP2": NativeLayout(tp=2)}
+if not SMOKE:
+    placement_layouts["FSDP2xTP2"] = NativeLayout(dp_shard=2, tp=2)
+
+
+def placement_table(rows: dict) -> None:
+    """One line per parameter kind: the block index (`layers.3.`, `vision.blocks.1.`) folded into `*` + a list."""
+    kinds: dict[tuple, list] = {}
+    for name, row in rows.items():
+        parts = name.split(".")
+        block = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        kind = name if block is None else ".".join(parts[:block] + ["*"] + parts[block + 1:])
+        kinds.setdefault((kind, row), []).append("" if block is None else parts[block])
+    print(f"{'parameter':<38}{'blocks':<9}{'placements':<45}{'mesh dims':<14}{'global':<13}{'local':<13}gradient")
+    for (kind, row), blocks in kinds.items():
+        print(f"{kind:<38}{','.join(b for b in blocks if b):<9}{row.placements:<45}{','.join(row.mesh_dims) or '-':<14}"
+              f"{str(list(row.global_shape)):<13}{str(list(row.local_shape)):<13}{row.grad_placements}")
+
+
+placements = {}
+for name, layout in placement_layouts.items():
+    placements[name] = parameter_placements(layout)
+    print(f"\n{name} ({layout.world_size} processes), rank 0: {len(placements[name])} parameters")
+    placement_table(placements[name])
+    print("placements in use:", dict(Counter(row.placements for row in placements[name].values())))
+
+# %% [markdown]
+# What each placement means, for memory and for the gradient:
+#
+# - **`Shard(d)`**: the global tensor is cut along dim d into one piece per rank of that mesh dim (equal
+#   pieces here); a rank stores only its piece, so its weight, gradient and AdamW states (created like the
+#   parameter) take 1/n of the bytes. Column-parallel weights are `Shard(0)` (this rank's output
+#   features: its heads), row-parallel ones `Shard(1)` (its input features); the gradient is this rank's
+#   slice of the full gradient, with the same placement. The experts under EP are `Shard(0)` of the
+#   stacked `[E, ...]` tensors over "ep": this rank's experts.
+# - **`Replicate()`**: every rank of the mesh dim keeps the whole tensor: full memory on each. In TP2 these
+#   are the parameters a layer uses inside its per-head computation: the KDA short conv (whose forward
+#   takes this rank's q | k | v channels, `Sections` in `native/local_params.py`) and the per-head output
+#   norm, and in Gated DSA the latent K/V norm (`REPLICATED_SUM`). Each rank uses the tensor for its own
+#   heads only, so each rank's gradient is only part of the total.
+# - **`Partial(sum)`**: a value that exists as per-rank addends; the true value is their sum over the mesh
+#   dim. It is never a parameter's placement, but it is exactly the gradient of those `Replicate()`
+#   parameters: `to_local(grad_placements=[Partial()])` in `LocalParams` labels it so. The sum is an
+#   all-reduce over tp that DTensor runs when an operation needs the whole value (the gradient norm, the
+#   AdamW update); under FSDP2 it is done inside FSDP2's gradient reduction, which redistributes the tp dim
+#   to the parameter's `Replicate()` before its reduce-scatter over "data" (so in the FSDP2 x TP2 table the
+#   gradients show the parameters' own placements). The hand-written twin of sections 1-3 needs no such
+#   rule: it only runs the forward.
+# - **`-`, a plain tensor** (TP2 alone, no FSDP2): a parameter outside every plan (embeddings, the norms
+#   between blocks, low-rank down projections, the lightning indexer, the router, the latent projections,
+#   the routed experts when ep = 1). Every tp rank computes it on the same tokens, so its gradients agree
+#   without any communication; each rank keeps a whole copy.
+# - **no gradient**: the lightning indexer of Gated DSA only picks positions (a top-k, through which no
+#   gradient flows; it learns from its own warm-up loss, not from the language-model loss), and the vision
+#   tower has no path to the loss on a text-only batch.
+# - **`_StridedShard(dim=0, sf=2)`** (FSDP2 x TP2, on the mesh dims (data, tp)): FSDP2 shards dim 0 of the
+#   parameter *as TP left it*, so a column-parallel weight is cut along dim 0 twice: first by tp into 2
+#   contiguous halves, then each half by data. A plain `(Shard(0), Shard(0))` would mean the other order
+#   (data first); `_StridedShard` with split factor sf = 2 (the tp size) records that the data dim splits
+#   each of the tp pieces, so `full_tensor()` and the checkpoints put the rows back in the right place.
+#   Memory: 1/(data x tp) of the tensor per rank. Row-parallel weights (`Shard(1)` over tp) have no such
+#   clash: FSDP2's `Shard(0)` over data is a different dim. The `Replicate()` parameters of the TP regions
+#   become `(Shard(0), Replicate())`, the parameters outside the plans `Shard(0)` over data alone, and the
+#   experts `Shard(0)` over dp_shard (with ep > 1 they are already split over ep).
+#
+# ### 8.3 On a real cluster
+#
+# **What ran here**: gloo on CPU, 2 and 4 local processes sharing this machine's 2 cores, the tiny preset
+# (0.30M parameters), float64 for the equivalence runs and float32 for the rest. Nothing in this chapter
+# ran on NCCL or on a GPU, and no time or byte figure in it describes one.
+#
+# Where the groups of a cluster layout fall: `init_device_mesh` lays ranks out in row-major order over
+# (pp, dp_shard, ep, tp), and torchrun numbers ranks node by node, so on 4 nodes of 8 GPUs, FSDP4 x EP4 x
+# TP2 puts these groups around rank 0:
+
+# %%
+cluster = NativeLayout(dp_shard=4, ep=4, tp=2)
+cluster.validate_for(full, world_size=32)  # the split divides the full model (experts, heads, widths)
+GPUS_PER_NODE = 8
+grid = torch.arange(cluster.world_size).view(*(getattr(cluster, d) for d in NATIVE_DIMS))
+
+
+def group_of(rank: int, dims: tuple[str, ...]) -> list[int]:
+    """The ranks that share every coordinate of `rank` except those along `dims`."""
+    coords = (grid == rank).nonzero()[0].tolist()
+    index = tuple(slice(None) if d in dims else c for d, c in zip(NATIVE_DIMS, coords))
+    return grid[index].flatten().tolist()
+
+
+carried = {("tp",): "TP collectives of activations, in every block",
+           ("ep",): "the expert All-to-Alls, in every MoE layer",
+           ("dp_shard",): "FSDP2 all-gather / reduce-scatter of the experts",
+           ("dp_shard", "ep"): "'data': FSDP2 of every dense block and the root; loss and expert counts"}
+for dims, what in carried.items():
+    members = group_of(0, dims)
+    nodes = sorted({r // GPUS_PER_NODE for r in members})
+    print(f"{' x '.join(dims):<14}{len(members):>3} ranks {str(members):<66} nodes {nodes}: {what}")
+
+# %% [markdown]
+# TP and EP stay inside one node (NVLink); only FSDP2's gathers and reductions cross nodes. That is the
+# point of the dim order: put the chattiest collectives innermost.
+#
+# **The command line** is the same on one machine and on a cluster. From a shell, `latentmoe-lab train
+# --preset mini --fsdp 2 --ep 2 --out runs/native` starts the 4 local gloo processes itself (`--tp`, `--pp`,
+# `--micro-batches`, `--schedule gpipe|1f1b` and `--param-dtype fp32|bf16` complete the layout;
+# `latentmoe-lab train --help`). Started by a cluster launcher instead, with WORLD_SIZE already set, each
+# process runs its own rank (`native/run.py`): accelerate's `PartialState` reads the RANK, WORLD_SIZE,
+# LOCAL_RANK, MASTER_ADDR and MASTER_PORT that torchrun sets and picks NCCL when CUDA is there, the mesh is
+# built on "cuda" when a GPU is visible, and the model, batches and bookkeeping tensors go to the rank's device:
+#
+# ```bash
+# torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN_ID \
+#     -m latentmoe_lab train --preset mini --fsdp 4 --ep 4 --tp 2 --param-dtype bf16 --out runs/cluster
+# ```
+#
+# Said honestly: that GPU path has never run. Everything in this section ran on CPU with gloo, 2-4 local
+# processes, the tiny preset; nothing here was measured on NCCL.
+#
+# Settings that matter on NCCL (guidance; none was exercised here):
+#
+# | setting | what it does |
+# |---|---|
+# | `NCCL_SOCKET_IFNAME=<interface>` | the network interface NCCL bootstraps over (and uses for its socket transport); `GLOO_SOCKET_IFNAME` does the same for gloo groups. Pin it on hosts with several interfaces (docker bridges, management NICs). |
+# | `NCCL_IB_HCA=<adapters>` | which InfiniBand / RoCE adapters NCCL may use; `NCCL_IB_GID_INDEX` selects the GID on RoCE; `NCCL_IB_DISABLE=1` turns InfiniBand off (NCCL falls back to sockets: a large slowdown to rule out, not a setting to keep). |
+# | `NCCL_DEBUG=INFO` | prints, at start-up, the transport NCCL chose for each connection: the way to see whether the inter-node traffic really goes over InfiniBand. |
+# | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | what torch's watchdog does when a collective fails or times out: 0 nothing, 1 abort the communicator and end the process, 2 abort the communicator only, 3 end the process without aborting it (torch's default). Keep one that ends the process, so a dead peer stops the job instead of hanging it (the local launcher here does the same on gloo: a killed rank raises within the timeout). |
+# | process-group timeout | how long a collective may wait before the watchdog acts: `init_distributed(timeout_s)` passes it to the default group. It must cover the slowest collective of the run (the first connections at scale, a checkpoint write), and no more, so a hang is reported promptly. |
+# | `TORCH_NCCL_TRACE_BUFFER_SIZE` with `TORCH_NCCL_DUMP_ON_TIMEOUT=1` | the flight recorder: the last collectives of every rank, written out on a timeout, to find the rank that fell out of step (`TORCH_NCCL_DESYNC_DEBUG=1` helps name it). |
+# | `CUDA_DEVICE_MAX_CONNECTIONS=1` | one hardware queue per GPU, so kernels start in the order they were issued; Megatron-LM asks for it so its TP communication is scheduled ahead of the compute that waits on it. `native/` relies on no such ordering; FSDP2 runs its all-gathers and reduce-scatters on streams of their own, so measure before setting it. |

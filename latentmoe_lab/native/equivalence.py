@@ -76,7 +76,7 @@ def train_reference(model: LatentMoEForCausalLM, batches: list[torch.Tensor], se
         optimizer.zero_grad(set_to_none=True)
         for layer in moe:
             layer.update_bias(layer.last_expert_counts)
-        losses.append(float(output.loss))
+        losses.append(float(output.loss.detach()))
     return logits, losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 

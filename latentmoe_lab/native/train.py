@@ -139,7 +139,7 @@ class NativeTrainer:
             self.schedule.step(target=ids, losses=losses)
         else:
             self.schedule.step()
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=native.device)
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=native.device)
         pp = native.mesh["pp"]
         dist.broadcast(loss, group=pp.get_group(), group_src=native.layout.pp - 1)
         return loss
