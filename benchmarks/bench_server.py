@@ -5,7 +5,9 @@
 
 overhead   16 concurrent greedy requests (64-byte prompts): wall time through the openai client against a
            live server on 127.0.0.1 (non-streaming and SSE) against Engine.generate of the same 16 prompts
-           in this process; median of --repeats, interleaved (target: <= 15% at 16 concurrent).
+           in this process; median of --repeats, interleaved (target: <= 15% at 16 concurrent). The clients
+           run in a separate process, as a user's clients would (--clients-in-process: in this one, where
+           their JSON parsing competes with the server and the engine for one GIL).
 recovery   the engine thread is killed (an exception that escapes its loop) mid-generation with 16 streams
            running: seconds from the kill to the first token any client gets after it (the watchdog poll,
            the weights reloaded, the pools rebuilt, then the first step of the fresh engine, which
@@ -42,7 +44,7 @@ def prompts(n: int) -> list[str]:
     return [(f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 2)[:64] for i in range(n)]
 
 
-def over_http(url: str, texts: list[str], new_tokens: int, stream: bool) -> tuple[float, list[list[int]]]:
+def over_http_here(url: str, texts: list[str], new_tokens: int, stream: bool) -> tuple[float, list[list[int]]]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=300)
     outputs: list = [None] * len(texts)
     times: list = [None] * len(texts)
@@ -68,9 +70,19 @@ def over_http(url: str, texts: list[str], new_tokens: int, stream: bool) -> tupl
     return time.perf_counter() - start, outputs if not stream else (outputs, times)
 
 
+def client_process():
+    """One spawned process that runs `over_http_here` (its time is measured inside it, so start-up is left out)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+
 def main() -> None:
     parser = make_parser(__doc__, default_threads=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clients-in-process", action="store_true",
+                        help="run the client threads in the server's process (the earlier measurement)")
     args = parser.parse_args()
     apply_threads(args)
     concurrency, new_tokens = (4, 8) if args.quick else (16, 32)
@@ -81,8 +93,15 @@ def main() -> None:
     params = SamplingParams(max_tokens=new_tokens)
     reference = [o.token_ids for o in engine.generate([list(t.encode()) for t in texts], params, use_tqdm=False)]
     runs = {"engine": [], "http": [], "http_sse": []}
+    clients = None if args.clients_in_process else client_process()
+
+    def over_http(url, texts, new_tokens, stream):
+        if clients is None:
+            return over_http_here(url, texts, new_tokens, stream)
+        return clients.submit(over_http_here, url, texts, new_tokens, stream).result()
+
     with start_service(spec) as (served, worker):
-        over_http(served.url, texts, new_tokens, stream=False)  # warm-up
+        over_http(served.url, texts, new_tokens, stream=False)  # warm-up (and the client process's imports)
         for _ in range(args.repeats):
             start = time.perf_counter()
             assert [o.token_ids for o in engine.generate([list(t.encode()) for t in texts], params,
@@ -95,8 +114,11 @@ def main() -> None:
             assert outputs == reference
             runs["http_sse"].append(seconds)
         recovery = measure_recovery(served.url, worker, texts, new_tokens, reference)
+    if clients is not None:
+        clients.shutdown()
     median = {k: statistics.median(v) for k, v in runs.items()}
     result = machine_info(concurrency=concurrency, new_tokens=new_tokens, repeats=args.repeats, seconds=runs,
+                          clients="in the server's process" if args.clients_in_process else "a separate process",
                           median_s=median, overhead_http=median["http"] / median["engine"] - 1,
                           overhead_sse=median["http_sse"] / median["engine"] - 1, recovery=recovery)
     print(f"{concurrency} concurrent x {new_tokens} tokens: engine {median['engine']:.2f} s, "
@@ -129,7 +151,7 @@ def measure_recovery(url: str, worker, texts: list[str], new_tokens: int, refere
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    _, (outputs, _) = over_http(url, texts, new_tokens, stream=True)
+    _, (outputs, _) = over_http_here(url, texts, new_tokens, stream=True)
     watcher.join(timeout=60)
     return {"seconds_to_first_token": recovered_at[0] - killed_at[0], "outputs_equal": outputs == reference,
             "restarts": worker.restarts}
