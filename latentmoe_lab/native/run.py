@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from latentmoe_lab.native.layout import NativeLayout
-from latentmoe_lab.training.lm import History, TrainSettings, warmup_cosine, write_outputs
+from latentmoe_lab.training.lm import History, TrainSettings, progress_bar, warmup_cosine, write_outputs
 
 CHECKPOINT_DIR, EXPORT_DIR, STATE_FILE = "checkpoint", "export", "trainer.json"
 
@@ -79,7 +79,7 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None) -
         scheduler.load_state_dict(state["scheduler"])
 
     last = settings.stop_at or settings.steps
-    progress = _progress_bar(main, history.step, settings.steps)
+    progress = progress_bar(main, history.step, settings.steps, desc="train (native)")
     started = time.perf_counter() - history.seconds
     for step in range(history.step, last):
         batch = train_rows[batch_rows(step, settings.batch, len(train_rows), settings.seed)].long()
@@ -134,11 +134,3 @@ def evaluate(native, held_rows: torch.Tensor, max_rows: int, batch: int) -> floa
     chunks = [held_rows[picked[i:i + batch]].long() for i in range(0, count, batch)]
     losses = [float(causal_lm_loss(native_logits(native, ids), ids.to(native.device))) for ids in chunks]
     return sum(losses) / len(losses)
-
-
-def _progress_bar(main: bool, start: int, total: int):
-    if not main:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, desc="train (native)", unit="step", dynamic_ncols=True)

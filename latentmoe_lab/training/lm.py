@@ -182,7 +182,7 @@ def _run(settings: TrainSettings) -> dict:
     inner = accelerator.unwrap_model(model)
 
     last = settings.stop_at or settings.steps
-    progress = _progress_bar(main, history.step, settings.steps)
+    progress = progress_bar(main, history.step, settings.steps)
     started, tokens_at_start = time.perf_counter() - history.seconds, history.tokens_seen
     window = time.perf_counter()
     for step in range(history.step, last):
@@ -234,12 +234,13 @@ def _loss_of(output) -> torch.Tensor:
     return output.loss + output.aux_loss
 
 
-def _progress_bar(main: bool, start: int, total: int):
+def progress_bar(main: bool, start: int, total: int, desc: str = "train"):
+    """tqdm over the run's steps on the main process; None elsewhere."""
     if not main:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True)
 
 
 @torch.no_grad()
