@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serving.py                    # small preset, the issue's sizes
     .venv/bin/python benchmarks/bench_serving.py --quick            # tiny preset, sizes / 8: checks the harness
-    .venv/bin/python benchmarks/bench_serving.py --only prefix      # one of: throughput, long, prefix, overhead, memory
+    .venv/bin/python benchmarks/bench_serving.py --only prefix      # or throughput, long, overhead, memory, dsa_chunk
 
 throughput  32 requests (prompts 64-512, 64 new tokens): engine generated tokens/s against model.generate on
             each prompt in turn (target >= 5x).
@@ -16,6 +16,9 @@ overhead    32 running sequences decoding: scheduler + ForwardBatch metadata tim
             (target <= 10%).
 memory      64k- and 128k-token prompts prefilled in chunks of 512: peak tensor memory allocated during the
             steps, beyond the pools (PeakMemory; target: flat in prompt length).
+dsa_chunk   the same question for one Gated DSA layer alone, at both paged_reads (block-wise and the gather
+            twin): one 512-token chunk after 64k and 128k cached tokens, peak memory beyond the pool (and
+            the time, PeakMemory's per-op bookkeeping included: not a speed figure).
 Writes benchmarks/bench_serving.json. Greedy sampling everywhere; random weights (seeded).
 """
 from __future__ import annotations
@@ -27,7 +30,10 @@ import torch
 
 from latentmoe_lab.analysis.memory import PeakMemory
 from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.forward_batch import ForwardBatch
+from latentmoe_lab.layers.dsa import GatedDSA
 from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.paged_pools import DSAPool, PagedPools
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 
 from common import apply_threads, machine_info, make_parser, write_json
@@ -125,13 +131,38 @@ def bench_memory(model, scale, g):
                 engine.step()
         out[str(length)] = {"peak_mib_beyond_pools": memory.peak_bytes / 2**20,
                             "pool_mib": engine.plan.total_bytes / 2**20}
+        print("memory", length, out[str(length)], flush=True)  # a run cut short keeps the first length
     lengths = list(out)
     return out | {"peak_ratio_long_over_short": out[lengths[1]]["peak_mib_beyond_pools"]
                   / out[lengths[0]]["peak_mib_beyond_pools"]}
 
 
+def bench_dsa_chunk(model, scale, g):
+    config, block, chunk = model.config, 64, 512
+    layer = next(m for m in model.modules() if isinstance(m, GatedDSA))
+    out = {}
+    for context in (65536 // scale, 131072 // scale):
+        blocks = -(-(context + chunk) // block)
+        pools = PagedPools(config, blocks, block, num_slots=1)
+        pool = next(p for p in map(pools.layer, range(config.num_layers)) if isinstance(p, DSAPool))
+        count = blocks * block
+        pool.write(torch.arange(count), torch.randn(count, pool.latent_dim, generator=g),
+                   torch.randn(count, pool.index_dim, generator=g))
+        batch = ForwardBatch.from_sequences([[0] * chunk], [context], [list(range(blocks))], [0], block)
+        x = torch.randn(1, chunk, config.hidden_size, generator=g)
+        for reads in GatedDSA.PAGED_READS:
+            layer.paged_reads = reads
+            start = time.perf_counter()
+            with torch.no_grad(), PeakMemory() as memory:
+                layer(x, batch=batch, pool=pool)
+            out[f"{reads}_{context}"] = {"peak_mib": memory.peak_bytes / 2**20,
+                                         "s_with_peak_memory": time.perf_counter() - start}
+    layer.paged_reads = "blocks"
+    return out
+
+
 BENCHES = {"throughput": bench_throughput, "long": bench_long, "prefix": bench_prefix,
-           "overhead": bench_overhead, "memory": bench_memory}
+           "overhead": bench_overhead, "memory": bench_memory, "dsa_chunk": bench_dsa_chunk}
 
 
 def main() -> None:

@@ -12,12 +12,14 @@ The cache keeps per token only c_kv, k_rope and the index key. Two equal ways to
   absorbed  - fold W_kvb's key half into the query and its value half into the output, and attend
               MQA-style (one shared head of size kv_lora + rope) directly over the cache (decode, and
               the sparse path, where one gather of the selected latent rows serves every head).
-The sparse path scores and attends in query blocks, so prefill holds [B, block, S] index scores at a time.
+The sparse path scores and attends in query blocks, so prefill holds [B, block, S] index scores at a time;
+the paged (serving) path also walks the keys in ranges of pool blocks, so nothing it holds grows with S.
 Shapes: B batch, T new tokens, S cached + new tokens, H heads; per-head tensors are [B, T, H, D].
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from einops import einsum, rearrange
@@ -29,6 +31,7 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
+from latentmoe_lab.ops.paged_sparse import paged_index_topk, paged_sparse_attention
 from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, index_topk,
                                                 sparse_attention)
 from latentmoe_lab.paged_pools import DSAPool
@@ -90,13 +93,21 @@ class GatedDSA(nn.Module):
     """forward(x [B, T, hidden], cache=None, absorb=None, dense=False) -> [B, T, hidden].
 
     query_block: queries scored and attended together in the sparse path (bounds prefill memory).
+    key_block: the paged path scores tiles of key_block queries x key_block keys (whole pool blocks, >= one).
+    paged_reads (attribute): "blocks" (default) reads the paged pool one key range at a time, so a chunk's
+    temporaries do not grow with its context; "gather" copies each sequence's context out first (the
+    reference twin, same selection, outputs equal to rounding).
     """
 
-    def __init__(self, config: ModelConfig, query_block: int = 64):
+    PAGED_READS = ("blocks", "gather")
+
+    def __init__(self, config: ModelConfig, query_block: int = 64, key_block: int = 512):
         super().__init__()
-        if not isinstance(query_block, int) or isinstance(query_block, bool) or query_block < 1:
-            raise ValueError(f"query_block: expected a positive integer, got {query_block!r}")
-        self.query_block = query_block
+        for name, value in (("query_block", query_block), ("key_block", key_block)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        self.query_block, self.key_block = query_block, key_block
+        self.paged_reads = "blocks"
         mla = config.mla
         self.hidden_size = config.hidden_size
         self.num_heads = mla.num_heads
@@ -205,10 +216,13 @@ class GatedDSA(nn.Module):
 
         V is returned as a view of K's leading channels, so sparse_attention gathers each selected row once.
         """
-        q_latent = einsum(q_nope, w_kb, "b t h n, h n c -> b t h c")
-        q = torch.cat([q_latent, q_rope], dim=-1)  # [B, T, H, kv_lora + rope]
         k = latent_rope[:, :, None, :]  # [B, S, 1, kv_lora + rope]
-        return q, k, k[..., :self.kv_lora_rank]
+        return self._absorbed_query(q_nope, q_rope, w_kb), k, k[..., :self.kv_lora_rank]
+
+    @staticmethod
+    def _absorbed_query(q_nope, q_rope, w_kb):
+        """[B, T, H, nope], [B, T, H, rope], W_kb [H, nope, kv_lora] -> q [B, T, H, kv_lora + rope]."""
+        return torch.cat([einsum(q_nope, w_kb, "b t h n, h n c -> b t h c"), q_rope], dim=-1)
 
     @record_function("attn.dsa.attend")
     def _attend(self, q, k, v, x, c_q, index_keys, offset, dense, first_key=None):
@@ -232,13 +246,14 @@ class GatedDSA(nn.Module):
 
         The new [c_kv | k_rope] and index keys go to pool positions slot_mapping first; then every query
         scores its own sequence's keys, read through the block table (context_len + its new tokens), takes
-        the indexer's top-k and attends in absorbed form: the path the contiguous cache takes, with the same
-        ops. Decodes run batched (keys left-padded to the longest, the padding hidden by index_topk's
-        first_key; see _decode_groups); each prefill chunk runs on its own.
-        The gathered keys go through index_topk / sparse_attention with backend="auto" (fused kernels on
-        CUDA). Kernels that could take block tables later: latentmoe_kernels.sparse_attention's index_topk
-        and sparse_attention already load key rows by position, so mapping a position through the block
-        table inside them would read the pool directly and drop the O(context) gather per layer here.
+        the indexer's top-k and attends in absorbed form: the selection the contiguous cache makes. Decodes
+        run batched (see _decode_groups); each prefill chunk runs on its own, query_block queries at a time.
+        paged_reads "blocks" (_paged_attend_blocks, ops/paged_sparse.py) scores tiles of key_block queries x
+        key_block keys with a running top-k and reads only the selected latent rows: O(key_block x
+        (key_block + topk)) temporaries, flat in chunk and context length; its scores run in torch on every
+        device (sparse_attention takes backend="auto"). "gather" (_paged_attend_gathered, the reference
+        twin) copies the context out and calls index_topk / sparse_attention on it (fused kernels on CUDA):
+        O(context) per call.
         """
         if batch is None or not isinstance(pool, DSAPool):
             raise TypeError(f"batch, pool: the paged path needs a ForwardBatch and a DSAPool, got "
@@ -249,10 +264,59 @@ class GatedDSA(nn.Module):
         self._check_inputs(x, None, None)
         if x.shape[:2] != (1, batch.num_tokens):
             raise ValueError(f"x: expected shape [1, total={batch.num_tokens}, hidden], got {tuple(x.shape)}")
+        if self.paged_reads not in self.PAGED_READS:
+            raise ValueError(f"paged_reads: expected one of {self.PAGED_READS}, got {self.paged_reads!r}")
         c_q, q_nope, q_rope, latent, k_rope, index_keys = self.project(x)
         pool.write(batch.slot_mapping, torch.cat([latent, k_rope], dim=-1)[0], index_keys[0])
         w_kb, w_vb = self._absorb_weights()
+        attend = self._paged_attend_blocks if self.paged_reads == "blocks" else self._paged_attend_gathered
+        attn = attend(batch, pool, x, c_q, q_nope, q_rope, w_kb)  # [1, total, H, kv_lora]
+        return self._gated_output(einsum(attn, w_vb, "b t h c, h v c -> b t h v"), x)
 
+    def _paged_attend_blocks(self, batch: ForwardBatch, pool: DSAPool, x, c_q, q_nope, q_rope, w_kb) -> torch.Tensor:
+        """The paged attention [1, total, H, kv_lora], reading the pool one range of blocks at a time."""
+        q = self._absorbed_query(q_nope, q_rope, w_kb)  # [1, total, H, kv_lora + rope]
+        attn = q.new_empty(*q.shape[:3], self.kv_lora_rank)
+        starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
+        reads = (batch.block_size, partial(pool.latent_format.read, pool.latent),
+                 partial(pool.index_format.read, pool.index))
+        decodes = [i for i, n in enumerate(lengths) if n == 1]
+        for group in _decode_groups(decodes, batch.context_len.tolist()):
+            seqs = torch.tensor(group, device=x.device)
+            tokens = batch.query_start[seqs]
+            one = (q[0, tokens][:, None], x[0, tokens][:, None], c_q[0, tokens][:, None])  # [S_dec, 1, *] each
+            attn[0, tokens] = self._attend_blocks(*one, batch.context_len[seqs][:, None], batch.block_table[seqs],
+                                                  *reads)[:, 0]
+        for i in (i for i, n in enumerate(lengths) if n > 1):
+            span = slice(starts[i], starts[i + 1])
+            query_pos = (batch.context_len[i] + torch.arange(lengths[i], device=x.device))[None]
+            attn[:, span] = self._attend_blocks(q[:, span], x[:, span], c_q[:, span], query_pos,
+                                                batch.block_table[i:i + 1], *reads)
+        return attn
+
+    @record_function("attn.dsa.attend")
+    def _attend_blocks(self, q, x, c_q, query_pos, block_table, block_size, read_latent, read_index) -> torch.Tensor:
+        """q [B, T, H, kv_lora + rope], x, c_q [B, T, *], query_pos [B, T], block_table [B, max_blocks]
+        -> [B, T, H, kv_lora].
+
+        Up to key_block queries score each key range together (the pool is read once per tile, not once per
+        query block); attention runs query_block queries at a time, so its gathered rows stay
+        O(query_block x topk). Index queries are projected per query block, as the gather path does, so both
+        paths rank bit-identical scores.
+        """
+        starts = range(0, x.shape[1], self.query_block)
+        with record_function("attn.dsa.indexer"):
+            projected = [self.indexer.queries(x[:, s:s + self.query_block], c_q[:, s:s + self.query_block])
+                         for s in starts]
+            q_idx, head_weights = (torch.cat(parts, dim=1) for parts in zip(*projected))
+            positions = paged_index_topk(q_idx, head_weights, query_pos, block_table, block_size, read_index,
+                                         self.indexer.topk, self.key_block)
+        return torch.cat([paged_sparse_attention(q[:, s:s + self.query_block], positions[:, s:s + self.query_block],
+                                                 block_table, block_size, read_latent, self.kv_lora_rank, self.scale)
+                          for s in starts], dim=1)
+
+    def _paged_attend_gathered(self, batch: ForwardBatch, pool: DSAPool, x, c_q, q_nope, q_rope, w_kb) -> torch.Tensor:
+        """The paged attention [1, total, H, kv_lora] over each sequence's context copied out of the pool."""
         attn = q_nope.new_empty(*q_nope.shape[:3], self.kv_lora_rank)  # [1, total, H, kv_lora]
         starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
         decodes = [i for i, n in enumerate(lengths) if n == 1]
@@ -270,7 +334,7 @@ class GatedDSA(nn.Module):
             q, k, v = self._absorbed_qkv(q_nope[:, span], q_rope[:, span], keys.to(x.dtype)[None], w_kb)
             attn[:, span] = self._attend(q, k, v, x[:, span], c_q[:, span], keys_index.to(x.dtype)[None],
                                          context, False)
-        return self._gated_output(einsum(attn, w_vb, "b t h c, h v c -> b t h v"), x)
+        return attn
 
     def _gather_left_padded(self, batch: ForwardBatch, pool: DSAPool, seqs: torch.Tensor, dtype: torch.dtype):
         """Keys of the decoding sequences `seqs` [S_dec], right-aligned in [S_dec, N_max, *] buffers.
