@@ -45,7 +45,7 @@ def test_world_size_and_batch_rules():
         NativeLayout(pp=2, micro_batches=4).validate_batch(2)
 
 
-def _losses(param_dtype: str) -> list[float]:
+def _losses(param_dtypes: list[str]) -> list[list]:
     from latentmoe_lab.native.build import build_native
     from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.native.train import NativeTrainer
@@ -53,16 +53,19 @@ def _losses(param_dtype: str) -> list[float]:
 
     init_distributed(60)
     torch.set_num_threads(1)
-    layout = NativeLayout(dp_shard=2, param_dtype=param_dtype)
-    native = build_native(TINY, layout, build_mesh(layout), seed=0)
-    trainer = NativeTrainer(native, lr=3e-3)
     batch = torch.randint(0, TINY.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
-    dtypes = {str(p.dtype) for p in native.module.parameters()}
-    return [trainer.step(batch)["loss"] for _ in range(3)] + [sorted(dtypes)]
+    runs = []
+    for param_dtype in param_dtypes:
+        layout = NativeLayout(dp_shard=2, param_dtype=param_dtype)
+        native = build_native(TINY, layout, build_mesh(layout), seed=0)
+        trainer = NativeTrainer(native, lr=3e-3)
+        dtypes = {str(p.dtype) for p in native.module.parameters()}
+        runs.append([trainer.step(batch)["loss"] for _ in range(3)] + [sorted(dtypes)])
+    return runs
 
 
 def test_bf16_mixed_precision_trains_like_fp32():
-    fp32, bf16 = (launch(_losses, 2, args=(dtype,), timeout_s=120)[0] for dtype in ("fp32", "bf16"))
+    fp32, bf16 = launch(_losses, 2, args=(["fp32", "bf16"],), timeout_s=180)[0]
     assert fp32[-1] == bf16[-1] == ["torch.float32"]  # sharded masters stay fp32; only the gathered copies are bf16
     assert all(math.isfinite(x) for x in bf16[:-1])
     assert bf16[:-1] == pytest.approx(fp32[:-1], abs=0.05)
