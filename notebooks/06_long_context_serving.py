@@ -96,8 +96,12 @@ print("after the last request:", {k: engine.stats()[k] for k in ("blocks_used", 
 # ## 2. Chunked prefill: peak memory against chunk size
 #
 # A long prompt prefilled in chunks keeps only one chunk's activations alive at a time; the KDA state and
-# conv tail wait in the slot between chunks and the DSA keys in the blocks. `PeakMemory` counts the tensor
-# storage allocated during the steps, beyond the pools that were allocated before.
+# conv tail wait in the slot between chunks and the DSA keys in the blocks. The DSA layers read the pool
+# block-wise (`ops/paged_sparse.py`: the indexer scores one range of blocks at a time with a running top-k, and
+# attention gathers only the selected rows), so no chunk holds the whole context's keys or scores: the peak
+# follows the chunk size, not the context before it (benchmarks/RESULTS.md: 7.23 MiB beyond the cache after
+# 64k and after 128k tokens). `PeakMemory` counts the tensor storage allocated during the steps, beyond the
+# pools that were allocated before.
 
 # %%
 peaks = {}
