@@ -382,30 +382,23 @@ viz_parallel.step_time_figure(list(serving), [p.times for p in serving.values()]
 # would bring the step down to its communication time.
 
 # %% [markdown]
-# By component: `roofline.layer_time` gives each layer's compute and communication, so summing it over the
-# layers of a pipeline stage splits the step by layer kind. The inputs are those `roofline.step_times` uses
-# (tokens per device, context, the stage's dense parameters per layer); the check below asserts that the
-# sums add back up to the planner's own compute time. Within a layer the roofline takes the max of FLOP
-# time and byte time, so attention and experts do not split further.
+# By component: `roofline.stage_layer_times` gives every layer's compute and communication in one pass of
+# its pipeline stage (the numbers `roofline.step_times` sums), so grouping them splits the step by layer
+# kind; the check below asserts that the sums add back up to the planner's own compute time. Within a
+# layer the roofline takes the max of FLOP time and byte time, so attention and experts do not split further.
 
 # %%
-from latentmoe_lab.parallel.roofline import layer_time
+from latentmoe_lab.parallel.roofline import stage_layer_times
 
 hw = HARDWARE["H200-141GB"]
 plan = serving["H200-141GB"]
-shards, work = serve_layout.data_shards, serve_workload
-phases = {  # (tokens per device, context each token sees, decoding) as in roofline.step_times for serving
-    "prefill": (work.prefill_chunk * max(1, work.sequences // shards) // serve_layout.cp, work.seq_len / 2, False),
-    "decode": (max(1.0, work.sequences / shards), work.seq_len, True)}
-for phase, (tokens, context, decoding) in phases.items():
+by_phase = stage_layer_times(full, serve_layout, hw, serve_workload, plan.stages, plan.params_by_stage)
+for phase, stage_layers in by_phase.items():
     stage_compute = []
-    for s, (stage, params) in enumerate(zip(plan.stages, plan.params_by_stage)):
-        embedding = full.vocab_size * full.hidden_size if s == 0 else 0
-        other = (params["other"] - embedding) / len(stage)
+    for s, layers in enumerate(stage_layers):
         kinds = {}
-        for layer in stage:
+        for layer, times in layers.items():
             kind = f"{full.layer_types[layer]} + {'moe' if full.is_moe_layer(layer) else 'dense ffn'}"
-            times = layer_time(full, serve_layout, hw, work, layer, other, tokens, context, decoding)
             totals = kinds.setdefault(kind, {"layers": 0, "compute": 0.0, "comm": 0.0})
             totals["layers"] += 1
             totals["compute"] += times["compute"]

@@ -74,21 +74,20 @@ def apply_fsdp(module: nn.Module, mesh, layout: NativeLayout) -> None:
     """fully_shard blocks and root over "data"; experts over dp_shard (or left to the train step)."""
     cast = PARAM_DTYPES[layout.param_dtype]
     policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32 if cast is not None else None)
-    experts = set(expert_params(module))
     if layout.dp_shard > 1:
         for _, block in named_blocks(module):
             if isinstance(block.ffn, LatentMoE):
                 # averaged over dp_shard here; the train step divides by ep (gloo has no PREMUL_SUM for
                 # set_gradient_divide_factor, and the same division then serves the layouts without FSDP)
                 fully_shard(block.ffn.experts, mesh=mesh["dp_shard"], mp_policy=policy)
-        experts = set()
     if layout.data_shards == 1:
         return
+    # experts not sharded above (dp_shard == 1) stay out of the "data" units: they are split over ep already
+    ignored = None if layout.dp_shard > 1 else set(expert_params(module)) or None
     for _, block in named_blocks(module):
-        fully_shard(block, mesh=mesh["data"], mp_policy=policy, ignored_params=experts or None)
+        fully_shard(block, mesh=mesh["data"], mp_policy=policy, ignored_params=ignored)
     # the root unit (embeddings, final norm, head) is needed again right away in backward: keep it gathered
-    fully_shard(module, mesh=mesh["data"], mp_policy=policy, reshard_after_forward=False,
-                ignored_params=experts or None)
+    fully_shard(module, mesh=mesh["data"], mp_policy=policy, reshard_after_forward=False, ignored_params=ignored)
 
 
 def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: str | Path | None = None,

@@ -64,6 +64,7 @@ class LocalParams(ParallelStyle):
         self.rules = dict(rules)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        swaps: list[tuple[nn.Module, str, object]] = []  # (owning module, parameter name, rule)
         for name, rule in self.rules.items():
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name)
@@ -76,7 +77,7 @@ class LocalParams(ParallelStyle):
                 raise ValueError(f"rules[{name!r}]: expected Shard(d), REPLICATED_SUM or Sections, got {rule!r}")
             owner._parameters[leaf] = nn.Parameter(distribute_tensor(param.data, device_mesh, [placement]),
                                                    requires_grad=param.requires_grad)
-        swaps = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], r) for n, r in self.rules.items()]
+            swaps.append((owner, leaf, rule))
         stored: list[tuple[nn.Module, str, nn.Parameter]] = []
 
         def to_local(mod, args, kwargs):

@@ -96,9 +96,8 @@ def layer_time(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workl
             "overlapped": max(compute, comm)}
 
 
-def step_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload,
-               stages: list[range], params_by_stage: list[dict[str, int]]) -> dict[str, dict[str, float]]:
-    """{"prefill" | "decode": {schedule: seconds, "compute", "comm"}}; decode also "tokens_per_s"."""
+def phase_inputs(pconfig: ParallelConfig, workload: Workload) -> dict[str, tuple[float, float, int]]:
+    """{"prefill" | "decode": (tokens per device, context each token sees, micro-batches)} of one step."""
     if workload.mode == "train":
         prefill_tokens = workload.micro_batch_sequences * workload.seq_len // pconfig.cp
         micro = workload.micro_batches
@@ -106,19 +105,37 @@ def step_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workl
         prefill_tokens = workload.prefill_chunk * max(1, workload.sequences // pconfig.data_shards) // pconfig.cp
         micro = 1
     decode_rows = max(1.0, workload.sequences / pconfig.data_shards)
+    return {"prefill": (prefill_tokens, workload.seq_len / 2, micro), "decode": (decode_rows, workload.seq_len, 1)}
+
+
+def stage_layer_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload,
+                      stages: list[range], params_by_stage: list[dict[str, int]]) -> dict[str, list[dict]]:
+    """{"prefill" | "decode": per stage {layer: layer_time(...)}}: every layer's seconds in one stage pass."""
     out = {}
-    for phase, tokens, context, m in (("prefill", prefill_tokens, workload.seq_len / 2, micro),
-                                      ("decode", decode_rows, workload.seq_len, 1)):
-        per_stage = []
+    for phase, (tokens, context, _) in phase_inputs(pconfig, workload).items():
+        out[phase] = []
         for s, (stage, params) in enumerate(zip(stages, params_by_stage)):
             # dense parameters per layer: the stage's non-expert parameters spread over its layers
             # (the first stage's embedding table is a lookup, not a matmul)
             embedding = config.vocab_size * config.hidden_size if s == 0 else 0
             other = (params["other"] - embedding) / len(stage)
+            out[phase].append({i: layer_time(config, pconfig, hw, workload, i, other, tokens, context,
+                                             phase == "decode") for i in stage})
+    return out
+
+
+def step_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload,
+               stages: list[range], params_by_stage: list[dict[str, int]]) -> dict[str, dict[str, float]]:
+    """{"prefill" | "decode": {schedule: seconds, "compute", "comm"}}; decode also "tokens_per_s"."""
+    inputs = phase_inputs(pconfig, workload)
+    out = {}
+    for phase, stage_layers in stage_layer_times(config, pconfig, hw, workload, stages, params_by_stage).items():
+        tokens, _, m = inputs[phase]
+        per_stage = []
+        for layers in stage_layers:
             totals = dict.fromkeys(SCHEDULES + ("compute", "comm"), 0.0)
-            for i in stage:
-                for key, seconds in layer_time(config, pconfig, hw, workload, i, other, tokens, context,
-                                               phase == "decode").items():
+            for times in layers.values():
+                for key, seconds in times.items():
                     totals[key] += seconds
             if pconfig.pp > 1:
                 hand_off = tokens * config.hidden_size * workload.act_bytes / hw.inter_node_bandwidth
