@@ -112,10 +112,9 @@ def bench_overhead(model, scale, g):
         engine.add_request(prompt, SamplingParams(max_tokens=40))
     while any(s.in_prefill or not s.generated_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    start = len(engine.log.steps)
     for _ in range(16):
         engine.step()
-    decode_steps = [s for s in engine.log.steps[start:] if s.decode_tokens == 32]
+    decode_steps = [s for s in list(engine.log.steps)[-16:] if s.decode_tokens == 32]  # the log is a deque
     overhead = sum(s.schedule_time for s in decode_steps) / sum(s.duration for s in decode_steps)
     return {"running": 32, "decode_steps": len(decode_steps), "overhead_share": overhead,
             "mean_step_ms": 1e3 * sum(s.duration for s in decode_steps) / len(decode_steps)}

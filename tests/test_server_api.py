@@ -1,6 +1,12 @@
 """The HTTP service through the official openai client: same tokens as Engine.generate, concurrency, API key,
-/metrics (docs/design.md §10)."""
+/metrics, a killed forward process (docs/design.md §10).
+
+The service runs its forward in a worker process (parallel.forward_process, as configs/service-cpu.yaml
+does); the reference is Engine.generate with the forward in this process."""
+import os
+import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -15,6 +21,7 @@ from latentmoe_lab.tokenizer import ByteTokenizer
 
 KEY = "test-key"
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 512},
+           "parallel": {"forward_process": True},
            "memory": {"max_num_seqs": 16, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
            "scheduler": {"max_batch_size": 128, "prefill_chunk_size": 96}}
 PROMPTS = ["Hello, world", "a", "The quick brown fox jumps over the lazy dog " * 3, "é ü 漢字"]
@@ -35,7 +42,7 @@ def client(service):
 @pytest.fixture(scope="module")
 def reference():
     """Engine.generate in process, on the same weights: prompt text -> generated ids (greedy)."""
-    config, _ = split_service_dict(SERVICE)
+    config, _ = split_service_dict({**SERVICE, "parallel": {"forward_process": False}})
     engine = Engine(load_model(config), config)
     chat_prompt = "<|user|>\nHello, world\n<|assistant|>\n"
     prompts = PROMPTS + [chat_prompt]
@@ -165,3 +172,33 @@ def test_metrics_parse_and_move(service, client):
     assert after[("latentmoe_kv_blocks_used", ())] == 0 and after[("latentmoe_kda_slots_used", ())] == 0
     assert ("latentmoe_engine_restarts_total", (("cause", "worker_died"),)) in after
     assert ("latentmoe_request_retries_total", ()) in after and ("latentmoe_preemptions_total", ()) in after
+
+
+def test_killed_forward_process_is_invisible_to_clients(service, client, reference):
+    """kill -9 of the forward process mid-generation: the engine starts a fresh one and recomputes; every
+    stream completes and equals Engine.generate."""
+    worker = service[1]
+    pid = worker.engine.runner.pids[0]
+    results, errors = {}, []
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        try:
+            chunks = client.completions.create(model="tiny-test", prompt=prompt, max_tokens=NEW_TOKENS,
+                                               temperature=0, stream=True)
+            results[i] = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == reference[prompt]
+        except Exception as error:  # noqa: BLE001 - collected and asserted below
+            errors.append(repr(error))
+
+    decoded = worker.last_stats["decode_tokens"]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while worker.last_stats["decode_tokens"] == decoded and time.monotonic() < deadline:
+        time.sleep(0.01)  # kill once these requests decode
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and len(results) == 8 and all(results.values())
+    assert worker.engine.stats()["worker_restarts"] >= 1 and worker.engine.runner.pids[0] != pid

@@ -3,7 +3,9 @@ import pytest
 
 from latentmoe_lab.cli import main
 from latentmoe_lab.server.loading import load_model, with_checkpoint
-from latentmoe_lab.server.settings import ServerSettings, load_service_file, split_service_dict
+from latentmoe_lab.server.settings import SERVER_LOG_RECORDS, ServerSettings, load_service_file, split_service_dict
+from latentmoe_lab.server.worker import EngineWorker
+from latentmoe_lab.serving import ServiceConfig
 
 
 def test_server_section_is_split_off_and_checked():
@@ -19,6 +21,16 @@ def test_server_section_is_split_off_and_checked():
             split_service_dict({"server": bad})
     with pytest.raises(ValueError, match=r"scheduler\.nope"):
         split_service_dict({"scheduler": {"nope": 1}})
+
+
+def test_the_engine_gets_the_servers_retries_and_a_short_log():
+    config, settings = split_service_dict({"model": {"preset": "tiny"}, "server": {"max_retries": 5}})
+    assert config.scheduler.max_log_records == SERVER_LOG_RECORDS < ServiceConfig().scheduler.max_log_records
+    assert split_service_dict({"scheduler": {"max_log_records": 7}})[0].scheduler.max_log_records == 7
+    with pytest.raises(ValueError, match=r"scheduler\.max_step_retries: a service file sets it as server\.max_retries"):
+        split_service_dict({"scheduler": {"max_step_retries": 1}})
+    worker = EngineWorker(config, settings, model_factory=lambda: None)  # not started: nothing is built
+    assert worker.config.scheduler.max_step_retries == 5 and worker.config.model == config.model
 
 
 def test_shipped_config_loads_and_checkpoint_replaces_preset(tmp_path):

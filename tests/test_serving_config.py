@@ -50,12 +50,26 @@ def test_cpu_config_parses_and_plans():
     ({"model": {"preset": "tiny", "checkpoint": "ckpt/"}}, "model.checkpoint: give model.preset or"),
     ({"model": {"max_model_len": -1}}, "model.max_model_len: must be a positive integer"),
     ({"parallel": {"tensor_parallel_size": 0}}, "parallel.tensor_parallel_size: must be a positive integer"),
+    ({"parallel": {"group_timeout_s": 0}}, "parallel.group_timeout_s: must be a number of seconds in \\(0, 3600\\]"),
+    ({"parallel": {"group_timeout_s": -1.5}}, "parallel.group_timeout_s: must be a number of seconds"),
+    ({"parallel": {"group_timeout_s": float("inf")}}, "parallel.group_timeout_s: must be a number of seconds"),
+    ({"parallel": {"group_timeout_s": float("nan")}}, "parallel.group_timeout_s: must be a number of seconds"),
+    ({"parallel": {"group_timeout_s": "30s"}}, "parallel.group_timeout_s: expected float"),
+    ({"parallel": {"group_timeout_s": True}}, "parallel.group_timeout_s: expected float"),
     ({"serving": {}}, "serving: unknown section"),
     ({"memory": [1, 2]}, "memory: expected a mapping"),
 ])
 def test_validation_names_the_key_path(data, message):
     with pytest.raises(ValueError, match=message):
         ServiceConfig.from_dict(data)
+
+
+def test_group_timeout_reaches_the_worker_layout():
+    from latentmoe_lab.serving.parallel_runner import serving_layout
+
+    assert ServiceConfig.from_dict({}).parallel.group_timeout_s == 30.0
+    service = ServiceConfig.from_dict({"parallel": {"tensor_parallel_size": 2, "group_timeout_s": 7}})
+    assert serving_layout(ModelConfig.from_preset("tiny"), service.parallel).timeout_s == 7.0
 
 
 def test_from_yaml_refuses_a_missing_file(tmp_path):

@@ -4,7 +4,7 @@ import torch
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.multimodal import ImageTextProcessor
-from latentmoe_lab.serving import Engine, QueueFullError, SamplingParams, ServiceConfig
+from latentmoe_lab.serving import Engine, QueueFullError, SamplingParams, ServiceConfig, StepError
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +143,9 @@ def test_a_failed_forward_leaves_no_half_advanced_state(model):
         return original(batch)
 
     engine.runner.run = failing_once
-    with pytest.raises(RuntimeError, match="device lost"):
+    with pytest.raises(StepError, match="device lost") as caught:
         engine.step()
+    assert sorted(caught.value.request_ids) == sorted(ids) and caught.value.retried == []  # two: bisected
     assert engine.stats()["running"] == 0 and engine.stats()["blocks_used"] == 0
     done = {}
     while engine.has_unfinished():

@@ -9,14 +9,17 @@ import openai
 import psutil
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.server.threaded import start_service
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.parallel_runner import WorkerGroupError
-from latentmoe_lab.serving.parallel_worker import pack_batch
+from latentmoe_lab.parallel.comm import CommEvent
+from latentmoe_lab.serving.parallel_worker import busy_seconds, pack_batch
 
 SERVICE = {"model": {"preset": "tiny", "max_model_len": 256},
            "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True},
@@ -54,6 +57,33 @@ def test_ep2tp2_greedy_equals_one_process(engine, reference):
     stats = engine.stats()
     assert stats["prefix_hit_tokens"] > 0  # slot copies reached every rank's pools
     assert stats["blocks_used"] == 0 and stats["slots_used"] == 0
+    forward, collective = stats["rank_forward_seconds"], stats["rank_collective_seconds"]
+    assert len(forward) == len(collective) == 4  # every rank measured its own part
+    assert engine.runner.group.pool_bytes == [engine.plan.total_bytes] * 4  # planned == allocated, per rank
+    assert all(c > 0 for c in collective) and all(c <= f for c, f in zip(collective, forward))
+
+
+def test_collective_seconds_count_overlapping_events_once():
+    events = [CommEvent("all_to_all", "a", 0.0, 4.0, 0), CommEvent("all_reduce", "b", 1.0, 2.0, 0),
+              CommEvent("send", "c", 3.0, None, 0), CommEvent("all_reduce", "d", 5.0, 5.5, 0)]
+    assert busy_seconds(events) == 4.5  # [0, 4] holds [1, 2]; an unwaited event counts nothing
+    assert busy_seconds([]) == 0.0
+
+
+def test_rank_seconds_counters_keep_moving_across_an_engine_replacement():
+    metrics = ServerMetrics()
+    base = {"running": 0, "waiting": 0, "blocks_used": 0, "num_blocks": 8, "slots_used": 0, "num_slots": 2,
+            "cached_blocks": 0, "preemptions": 0, "prefix_hit_tokens": 0, "worker_restarts": 0}
+    for forward, collective in (([1.0, 2.0], [0.5, 1.0]), ([3.0, 5.0], [1.0, 2.0])):
+        metrics.observe_engine(base | {"rank_forward_seconds": forward, "rank_collective_seconds": collective})
+    metrics.engine_replaced()  # a fresh engine's totals start at zero again
+    metrics.observe_engine(base | {"rank_forward_seconds": [0.5, 0.25], "rank_collective_seconds": [0.0, 0.25]})
+    samples = {(f.name, s.labels["rank"]): s.value
+               for f in text_string_to_metric_families(metrics.exposition().decode())
+               for s in f.samples if s.name.startswith("latentmoe_rank_") and s.name.endswith("_total")}
+    assert samples == {("latentmoe_rank_forward_seconds", "0"): 3.5, ("latentmoe_rank_forward_seconds", "1"): 5.25,
+                       ("latentmoe_rank_collective_seconds", "0"): 1.0,
+                       ("latentmoe_rank_collective_seconds", "1"): 2.25}
 
 
 @pytest.mark.parametrize("victim", [2, 0])  # a plain rank; rank 0, the one that talks to the engine
@@ -125,6 +155,10 @@ def test_server_keeps_every_stream_through_a_killed_worker_and_counts_the_restar
         line = 'latentmoe_engine_restarts_total{cause="parallel_worker_lost"} '
         metrics = httpx.get(served.url + "/metrics").text.splitlines()
         assert float(next(x for x in metrics if x.startswith(line)).split()[-1]) == 1
+        families = {f.name: f for f in text_string_to_metric_families("\n".join(metrics) + "\n")}
+        for name in ("latentmoe_rank_forward_seconds", "latentmoe_rank_collective_seconds"):
+            series = {s.labels["rank"]: s.value for s in families[name].samples if s.name.endswith("_total")}
+            assert sorted(series) == ["0", "1", "2", "3"] and all(v > 0 for v in series.values())
         pids = first_pids + list(worker.engine.runner.pids)
     assert not any(psutil.pid_exists(pid) for pid in pids)  # stopping the server stopped its workers
 
@@ -132,7 +166,6 @@ def test_server_keeps_every_stream_through_a_killed_worker_and_counts_the_restar
 @pytest.mark.parametrize("parallel, key", [
     ({"tensor_parallel_size": 3}, "parallel.tensor_parallel_size: 3 must divide kda.num_heads"),
     ({"expert_parallel_size": 3}, "parallel.expert_parallel_size: 3 must divide moe.num_experts"),
-    ({"pipeline_parallel_size": 2}, "parallel.pipeline_parallel_size: must be 1 for serving"),
 ])
 def test_bad_parallel_sizes_name_the_key(model, parallel, key):
     children = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -3,7 +3,8 @@
 Latencies are measured by the service from the moment a request is accepted (so they include the wait
 for the engine thread and survive a retry onto a fresh engine); monotonic clocks throughout.
 Gauges are set from Engine.stats() after every step. Counters of the engine (preemptions, prefix hits)
-restart from zero with a restarted engine, so the service adds the engine's increments.
+restart from zero with a restarted engine, so the service adds the engine's increments; so do the
+per-rank forward and collective seconds of a parallel engine (one `rank` label per worker process).
 """
 from __future__ import annotations
 
@@ -50,7 +51,12 @@ class ServerMetrics:
         self.restarts = Counter(f"{p}_engine_restarts", "engine restarts, by cause", ["cause"], registry=r)
         for cause in RESTART_CAUSES:
             self.restarts.labels(cause=cause)  # exported at 0 from the start
-        self._engine_counts = dict.fromkeys(ENGINE_COUNTS, 0)
+        self.rank_seconds = {  # keys: the Engine.stats() lists, one value per rank
+            "rank_forward_seconds": Counter(f"{p}_rank_forward_seconds", "a worker rank's part of the engine "
+                                            "steps (its layers, collectives included)", ["rank"], registry=r),
+            "rank_collective_seconds": Counter(f"{p}_rank_collective_seconds", "a worker rank's seconds in "
+                                               "collectives and pipeline send / receive", ["rank"], registry=r)}
+        self.engine_replaced()
 
     def observe_engine(self, stats: dict) -> None:
         """Engine.stats() after a step -> gauges, and the engine's counter increments since the last call."""
@@ -67,10 +73,17 @@ class ServerMetrics:
             if increment > 0:
                 counter.inc(increment)
             self._engine_counts[name] = stats[name]
+        for name, counter in self.rank_seconds.items():
+            seen = self._rank_seconds[name]
+            seen += [0.0] * (len(stats[name]) - len(seen))
+            for rank, total in enumerate(stats[name]):
+                counter.labels(rank=str(rank)).inc(max(total - seen[rank], 0.0))
+                seen[rank] = total
 
     def engine_replaced(self) -> None:
         """A fresh engine counts from zero again."""
         self._engine_counts = dict.fromkeys(ENGINE_COUNTS, 0)
+        self._rank_seconds: dict[str, list[float]] = {name: [] for name in self.rank_seconds}
 
     def observe_finished(self, reason: str, token_times: list[float], accepted: float, finished: float) -> None:
         self.requests.labels(reason=reason).inc()

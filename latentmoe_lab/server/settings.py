@@ -1,11 +1,15 @@
 """The service file: the engine's ServiceConfig (docs/design.md §6.1) plus our `server:` section (§10).
 
-The engine's four sections are parsed by ServiceConfig, unchanged. A fifth, optional section belongs to
-the HTTP service and is taken off before ServiceConfig sees the rest:
+The engine's four sections are parsed by ServiceConfig, unchanged but for one default: a server's
+engine log keeps SERVER_LOG_RECORDS records (scheduler.max_log_records; Prometheus has the history).
+A fifth, optional section belongs to the HTTP service and is taken off before ServiceConfig sees the rest:
 
     server:
-      max_retries         int >= 0   failed engine steps a request may live through; one more and it
-                                     fails alone with a "engine_step_failed" error (default 3)
+      max_retries         int >= 0   retries of a request whose step failed with it alone (the engine first
+                                     bisects a failed step of several, docs/design.md §6.5); one more
+                                     failure and it fails alone with a "engine_step_failed" error (default
+                                     3). It is the engine's scheduler.max_step_retries, which a service
+                                     file therefore may not set.
       max_restarts        int >= 0   engine restarts (weights reloaded) before the service gives up and
                                      /health turns 503 (default 10)
       step_timeout_s      float > 0  a step running longer counts as a silent engine: restarted (default 120)
@@ -19,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from latentmoe_lab.serving import ServiceConfig
+
+SERVER_LOG_RECORDS = 1000  # the engine's log of a long-running server: the latest steps and requests only
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,11 @@ def split_service_dict(data: dict[str, Any]) -> tuple[ServiceConfig, ServerSetti
     if not isinstance(data, dict):
         raise ValueError(f"service config: expected a mapping of sections, got {type(data).__name__}")
     rest = {key: value for key, value in data.items() if key != "server"}
+    scheduler = rest.get("scheduler") or {}
+    if isinstance(scheduler, dict):  # anything else: ServiceConfig names the section
+        if "max_step_retries" in scheduler:
+            raise ValueError("scheduler.max_step_retries: a service file sets it as server.max_retries")
+        rest["scheduler"] = {"max_log_records": SERVER_LOG_RECORDS, **scheduler}
     return ServiceConfig.from_dict(rest), ServerSettings.from_dict(data.get("server") or {})
 
 

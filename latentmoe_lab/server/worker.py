@@ -7,10 +7,16 @@ loop.call_soon_threadsafe).
 
 Faults, and what the worker does about them:
 
-    a step raises                 every request of that step is charged one retry; the engine is rebuilt
-                                  (fresh pools, same weights) and every in-flight request re-queued with
-                                  prompt + tokens so far (recompute). A request charged more than
-                                  server.max_retries times fails alone with error "engine_step_failed".
+    a step raises StepError       the engine settled it (serving/failures.py): the step's requests went
+    (its forward or sampling)     back for recompute and, if several, were split into two isolation
+                                  groups (bisection, none charged); one alone is charged one retry, and
+                                  past server.max_retries fails alone with error "engine_step_failed".
+                                  The worker counts the retries and delivers what finished; the engine
+                                  steps on, pools and prefix cache kept.
+    a step raises anything else   the engine's state is not trusted: every in-flight request is charged
+                                  one retry (nobody is named), those past server.max_retries fail, the
+                                  engine is reset (Engine.reset: everything aborted, same pools and
+                                  weights) and the rest re-queued with prompt + tokens so far.
     the engine thread dies        the watchdog sees it within a poll (0.2 s): the weights are reloaded, a
                                   fresh engine and thread started, every in-flight request re-queued.
     a step hangs                  past server.step_timeout_s the same restart; the old thread, when it
@@ -18,11 +24,12 @@ Faults, and what the worker does about them:
     a parallel worker process     the engine replaces its worker group itself and recomputes (serving/
     dies or hangs                 parallel_runner.py); counted as restarts{cause="parallel_worker_lost"}.
 
-Requests that shared a step with a request that fails every time are charged with it (the engine does
-not say which request broke a step); data-dependent failures the engine can pin on one request
-(non-finite logits, bad images) it already ends alone. A re-queued sampled request continues with a
-generator seeded from (seed, tokens so far), so greedy outputs equal an unfaulted run exactly and sampled
-seeded ones stay reproducible. After server.max_restarts restarts the worker gives up: requests fail, /health 503.
+So a request that breaks every step it is in fails alone after exactly server.max_retries retries, and
+its step-mates are charged nothing; data-dependent failures the engine can pin on one request at once
+(non-finite logits, bad images) it ends alone without a retry. A request re-queued by the worker continues
+with a generator seeded from (seed, tokens so far), so greedy outputs equal an unfaulted run exactly and
+sampled seeded ones stay reproducible (one recomputed inside the engine keeps its own generator). After
+server.max_restarts restarts the worker gives up: requests fail, /health 503.
 """
 from __future__ import annotations
 
@@ -37,13 +44,12 @@ from typing import Callable
 
 from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.server.settings import ServerSettings
-from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig, StepError
 
 log = logging.getLogger(__name__)
 WATCHDOG_POLL_S = 0.2
 IDLE_WAIT_S = 0.5
 STOP_TIMEOUT_S = 30
-ENGINE_LOG_KEEP = 1000  # engine.log step and request records kept
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,9 @@ class _Request:
 class EngineWorker:
     def __init__(self, config: ServiceConfig, settings: ServerSettings, model_factory: Callable,
                  metrics: ServerMetrics | None = None):
-        self.config = config
+        # one knob for the retries of a request: server.max_retries, applied in the engine
+        self.config = dataclasses.replace(config, scheduler=dataclasses.replace(
+            config.scheduler, max_step_retries=settings.max_retries))
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         self._model_factory = model_factory
@@ -180,6 +188,11 @@ class EngineWorker:
                 started = self._step_started = time.monotonic()
             try:
                 outputs = engine.step()  # the only long call, outside the lock
+            except StepError as error:
+                with self._lock:
+                    if generation == self._generation:
+                        self._settled_step_failure(error)
+                continue
             except Exception as error:  # noqa: BLE001 - any step failure is retried, reported by kind
                 with self._lock:
                     if generation == self._generation:
@@ -253,34 +266,53 @@ class EngineWorker:
     def _publish_stats(self) -> None:
         self.last_stats = self.engine.stats()
         self.metrics.observe_engine(self.last_stats)
-        log = self.engine.log  # the engine keeps a record per step and per request, without end: a server
-        for records in (log.steps, log.requests):  # keeps the latest; Prometheus has the history
-            if len(records) > 2 * ENGINE_LOG_KEEP:
-                del records[:-ENGINE_LOG_KEEP]
 
     # -------------------------------------------------------------- recovery
-    def _recover_from_step(self, engine: Engine, error: Exception) -> None:
-        """Under the lock: charge the step's requests, rebuild the engine, re-queue everything in flight."""
-        in_step = {seq.request_id for seq in engine.scheduler.running} or set(self._by_engine_id)
-        message = f"engine_step_failed: {type(error).__name__}: {error}"
-        for engine_id in in_step:
+    def _settled_step_failure(self, error: StepError) -> None:
+        """Under the lock: the engine blamed and re-queued the step's requests itself; count, deliver."""
+        log.warning("engine step failed (requests %s, retried %s): %r", error.request_ids, error.retried,
+                    error.cause)
+        for engine_id in error.retried:
             request = self._by_engine_id.get(engine_id)
             if request is not None:
                 request.retries += 1
                 self.metrics.retries.inc()
+        self._publish_stats()
+        for out in error.outputs:
+            self._deliver_output(out)
+
+    def _recover_from_step(self, engine: Engine, error: Exception) -> None:
+        """Under the lock: a failure the engine did not settle. Charge everyone in flight (nobody is
+        named), reset the engine (same pools and weights), re-queue what is left."""
+        log.warning("engine step failed outside the forward: %r; resetting the engine", error)
+        message = f"engine_step_failed: {type(error).__name__}: {error}"
         for request in list(self._by_engine_id.values()):
-            if request.retries > self.settings.max_retries:
+            if request.retries >= self.settings.max_retries:
                 self._finish(request, "error", f"{message} (after {self.settings.max_retries} retries)")
+            else:
+                request.retries += 1
+                self.metrics.retries.inc()
         self.metrics.restarts.labels(cause="step_failed").inc()
-        self._replace_engine(Engine(self.model, self.config))
+        try:
+            engine.reset()
+        except RuntimeError:  # its bookkeeping leaked: a fresh engine instead, the weights kept
+            log.exception("engine reset found a leak; building a fresh engine")
+            self._replace_engine(Engine(self.model, self.config))
+            return
+        self._requeue_in_flight()
 
     def _replace_engine(self, engine: Engine) -> None:
         """Under the lock: swap in a fresh engine and put every unfinished request at the queue's front."""
         previous, self.engine = self.engine, engine
         if previous is not None:
             previous.close()  # a parallel engine's workers; a hung step of it then fails and its thread exits
-        self._by_engine_id = {}
         self.metrics.engine_replaced()
+        self._requeue_in_flight()
+
+    def _requeue_in_flight(self) -> None:
+        """Under the lock: the engine holds none of our requests now; every unfinished one goes back to the
+        front of the command queue, with prompt + tokens so far."""
+        self._by_engine_id = {}
         queued = {id(command[1]) for command in self._commands if command[0] == "add"}
         requeue = [("add", r, None) for r in self._requests.values() if id(r) not in queued]
         for request in self._requests.values():

@@ -10,13 +10,15 @@ preemption by recompute and prefix caching with KDA state snapshots.
     sampling.py       SamplingParams and per-request generators
     inputs.py         prompts (ids, text, images) -> checked token ids + images
     metrics.py        TTFT / TPOT / ITL / queue / e2e, per step records, percentiles (§6.6)
-    engine.py         Engine: add_request / step / abort / generate / stream / stats (§6.6)
+    failures.py       a failed step: StepError, blame by bisection, retries, failing alone (§6.5)
+    engine.py         Engine: add_request / step / abort / reset / generate / stream / stats (§6.6)
     workload.py       the synthetic serve-bench workload; cli.py: plan-service and serve-bench
 
     from latentmoe_lab.serving import Engine, ServiceConfig, SamplingParams
 """
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.engine import Engine, QueueFullError, RequestOutput
+from latentmoe_lab.serving.failures import StepError
 from latentmoe_lab.serving.sampling import SamplingParams
 
-__all__ = ["Engine", "QueueFullError", "RequestOutput", "SamplingParams", "ServiceConfig"]
+__all__ = ["Engine", "QueueFullError", "RequestOutput", "SamplingParams", "ServiceConfig", "StepError"]

@@ -12,7 +12,14 @@ Four sections, the keys of the public example first, then ours where the example
       seed                  int    ours: seed of the random weights when a preset is built (default 0)
     parallel:
       tensor_parallel_size, expert_parallel_size, pipeline_parallel_size   int >= 1
-                                   (the in-process Engine runs one device: all 1; plan-service uses them)
+                                   (> 1: the engine's forward runs on that many worker processes;
+                                   plan-service plans them at full scale)
+      forward_process       bool   ours: with every size 1, run the forward in one worker process anyway
+                                   (default false). A server sets it: its engine thread then waits on a
+                                   pipe instead of holding the GIL that the HTTP event loop needs
+      group_timeout_s       float  ours: seconds in (0, 3600], the timeout of every worker process group
+                                   (default 30.0): a rank that hangs is detected within it, so a pipeline
+                                   stage's part of a step must finish within it (its successor waits so long)
     memory:
       kv_cache_dtype        str    auto (= model dtype) | fp32 | bf16 | fp16 | fp8: the MLA latent pool
       gpu_memory_utilization float in (0, 1]: share of device memory for weights + caches (plan-service)
@@ -28,6 +35,11 @@ Four sections, the keys of the public example first, then ours where the example
       max_batch_size        int    requests held, waiting + running; past it a request is refused ("queue full")
       chunked_prefill       bool   false: a prompt is prefilled whole in one step (it may overrun the budget)
       prefill_chunk_size    int    the token budget of one step (decodes take one token each)
+      max_step_retries      int    ours: failed steps a request may be retried after, once a failure is
+                                   pinned on it alone (docs/design.md §6.5); one more and it fails alone
+                                   with error "engine_step_failed" (default 3; a server sets server.max_retries)
+      max_log_records       int    ours: Engine.log keeps the latest this many step and request records
+                                   (default 100000; a server keeps fewer)
 
 Unknown keys, wrong types and inconsistent values raise ValueError naming the key path.
 """
@@ -56,6 +68,8 @@ class ParallelSection:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    forward_process: bool = False
+    group_timeout_s: float = 30.0
 
 
 @dataclass
@@ -83,6 +97,8 @@ class SchedulerSection:
     max_batch_size: int = 64
     chunked_prefill: bool = True
     prefill_chunk_size: int = 512
+    max_step_retries: int = 3
+    max_log_records: int = 100_000
 
 
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
@@ -137,8 +153,12 @@ class ServiceConfig:
             from latentmoe_lab.config import PRESETS
 
             _choice("model.preset", m.preset, tuple(sorted(PRESETS)))
-        for f in fields(p):
-            _positive_int(f"parallel.{f.name}", getattr(p, f.name))
+        for key in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size"):
+            _positive_int(f"parallel.{key}", getattr(p, key))
+        _check(isinstance(p.forward_process, bool), "parallel.forward_process",
+               f"must be true or false, got {p.forward_process!r}")
+        _check(_is_number(p.group_timeout_s) and 0 < p.group_timeout_s <= 3600, "parallel.group_timeout_s",
+               f"must be a number of seconds in (0, 3600], got {p.group_timeout_s!r}")
         _choice("memory.kv_cache_dtype", mem.kv_cache_dtype, CACHE_DTYPES)
         _check(_is_number(mem.gpu_memory_utilization) and 0 < mem.gpu_memory_utilization <= 1,
                "memory.gpu_memory_utilization", f"must be a number in (0, 1], got {mem.gpu_memory_utilization!r}")
@@ -163,6 +183,10 @@ class ServiceConfig:
         _check(isinstance(s.chunked_prefill, bool), "scheduler.chunked_prefill",
                f"must be true or false, got {s.chunked_prefill!r}")
         _positive_int("scheduler.prefill_chunk_size", s.prefill_chunk_size)
+        _check(isinstance(s.max_step_retries, int) and not isinstance(s.max_step_retries, bool)
+               and s.max_step_retries >= 0, "scheduler.max_step_retries",
+               f"must be an integer >= 0, got {s.max_step_retries!r}")
+        _positive_int("scheduler.max_log_records", s.max_log_records)
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")

@@ -16,11 +16,15 @@ One request from arrival to its last token:
 A bad request (empty, too long, bad sampling params, images that do not match placeholders, a full
 queue) raises ValueError from add_request; the engine is untouched. A request that fails inside a step
 (its images fail to encode, its logits are not finite) ends with finish_reason "error" and .error set;
-the others go on.
+the others go on. A step whose forward or sampling raises puts its requests back for recompute, blames
+them by bisection (failures.py: isolation groups, then retries of the one request left, then it fails
+alone) and raises StepError naming them; the engine stays consistent and steps on (generate() and stream()
+do so by themselves). reset() aborts everything, for a caller that no longer trusts it.
 
-With parallel.tensor_parallel_size / expert_parallel_size > 1 the forward runs on tp * ep worker
-processes (parallel_runner.py); a worker that dies or hangs is replaced by a fresh group and every running
-request recomputed, so callers see no error; call close() to stop the workers.
+With parallel.tensor_parallel_size / expert_parallel_size / pipeline_parallel_size > 1 the forward runs
+on pp * tp * ep worker processes (parallel_runner.py; pipeline stages in pipeline_stage.py), and with
+parallel.forward_process on one; a worker that dies or hangs is replaced by a fresh group and every
+running request recomputed, so callers see no error; call close() to stop the workers.
 """
 from __future__ import annotations
 
@@ -32,13 +36,14 @@ import torch
 from tqdm.auto import tqdm
 
 from latentmoe_lab.finite import first_non_finite
-from latentmoe_lab.parallel.tensor import local_config
 from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.config import ServiceConfig
+from latentmoe_lab.serving.failures import StepError, settle_failed_step
 from latentmoe_lab.serving.inputs import prompt_inputs
 from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
 from latentmoe_lab.serving.model_runner import ModelRunner
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
+from latentmoe_lab.serving.pipeline_stage import plan_stages
 from latentmoe_lab.serving.planner import allocate_pools, plan_cache
 from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
@@ -68,7 +73,7 @@ class Engine:
         if not isinstance(service_config, ServiceConfig):
             raise TypeError(f"service_config: expected a ServiceConfig, got {type(service_config).__name__}")
         cfg = service_config
-        layout = serving_layout(model.config, cfg.parallel)  # None: one process; else tp * ep workers
+        layout = serving_layout(model.config, cfg.parallel)  # None: the forward runs here; else on workers
         if layout is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device: parallel serving runs its gloo workers on the CPU, got {device}")
         self.config = cfg
@@ -80,20 +85,21 @@ class Engine:
         expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype)
         if expected is not None and weights != expected:
             raise ValueError(f"model.dtype: the config says {cfg.model.dtype} but the model's weights are {weights}")
-        # with tensor parallelism every rank's pools hold its local KDA heads: plan one rank's share
-        self.plan = plan_cache(self.model_config if layout is None else local_config(self.model_config, layout.tp),
-                               cfg)
+        # a worker rank's pools hold its pipeline stage's layers with its local KDA heads: plan each stage's
+        # share (one block count for all); self.plan is stage 0's
+        self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
+        self.plan = plan_cache(self.model_config, cfg) if layout is None else self.stages[0].plan
         self.pools = None if layout is not None else allocate_pools(self.model_config, self.plan, device)
         self.block_manager = BlockManager(self.plan.num_blocks, cfg.memory.block_size, self.plan.num_slots,
                                           self.plan.num_snapshots, cfg.memory.enable_prefix_caching)
-        self.log = MetricsLog()
+        self.log = MetricsLog(cfg.scheduler.max_log_records)
         self._sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self._steps = 0
         self._tokens = {"prefill": 0, "decode": 0}
         # last: a parallel runner starts worker processes, which nothing after it may leave behind
         self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device) if layout is None
-                       else ParallelRunner(model, self.plan, layout))
+                       else ParallelRunner(model, self.stages, layout))
         copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
                                    cfg.scheduler.chunked_prefill, copy_slot)
@@ -150,26 +156,19 @@ class Engine:
         if batch.entries:
             try:
                 output = self.runner.run(batch)
+                schedule_time += self.runner.last_build_time
+                sampled = self._sample(batch, output, outputs)
             except WorkerGroupError as error:
                 self._restart_workers()
-                if not error.lost or self.runner.restarts_in_a_row > MAX_WORKER_RESTARTS_IN_A_ROW:
-                    raise
-                return outputs  # failover: every running sequence is recomputed from the next step on
-            except Exception:
+                if error.lost and self.runner.restarts_in_a_row <= MAX_WORKER_RESTARTS_IN_A_ROW:
+                    return outputs  # failover: every running sequence is recomputed from the next step on
+                raise self._step_failed(batch, error, outputs) from error
+            except Exception as error:  # noqa: BLE001 - any failure of the forward or sampling is the step's
                 # the layers before the failure already advanced these KDA slots: recompute them from scratch
                 for seq, _ in reversed(batch.entries):
-                    self.scheduler.preempt(seq)
-                raise
-            schedule_time += self.runner.last_build_time
-            logits = output.logits.float()
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
-            for (seq, _), emits, row, ok in zip(batch.entries, batch.emits(), logits, finite):
-                if not ok:
-                    where = first_non_finite(getattr(output, "finite", None), self.model_config.layer_types)
-                    outputs.append(self._fail(seq, f"logits: non-finite for this request (first non-finite at "
-                                                   f"{where}); the other requests go on"))
-                elif emits:
-                    sampled[seq.request_id] = sample_token(row, seq.params, seq.generator)
+                    if seq.status is Status.RUNNING:
+                        self.scheduler.preempt(seq)
+                raise self._step_failed(batch, error, outputs) from error
         prefill = batch.num_tokens - batch.num_decode_tokens
         self._tokens["prefill"] += prefill
         self._tokens["decode"] += batch.num_decode_tokens
@@ -193,15 +192,74 @@ class Engine:
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens))
         return outputs
 
+    def _sample(self, batch, output, outputs: list[RequestOutput]) -> dict[int, int]:
+        """request id -> its next token, for the entries that emit; a non-finite row fails its request alone."""
+        sampled = {}
+        logits = output.logits.float()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        # a failure part way must not leave some generators advanced: the recompute samples again
+        states = [(seq.generator, seq.generator.get_state()) for (seq, _), emits in zip(batch.entries, batch.emits())
+                  if emits]
+        try:
+            for (seq, _), emits, row, ok in zip(batch.entries, batch.emits(), logits, finite):
+                if not ok:
+                    where = first_non_finite(getattr(output, "finite", None), self.model_config.layer_types)
+                    outputs.append(self._fail(seq, f"logits: non-finite for this request (first non-finite at "
+                                                   f"{where}); the other requests go on"))
+                elif emits:
+                    sampled[seq.request_id] = sample_token(row, seq.params, seq.generator)
+        except Exception:
+            for generator, state in states:
+                generator.set_state(state)
+            raise
+        return sampled
+
+    def _step_failed(self, batch, error: Exception, outputs: list[RequestOutput]) -> StepError:
+        """The step's sequences are back in the waiting queue: settle the blame (failures.py), name them."""
+        unfinished = [seq for seq, _ in batch.entries if seq.status is not Status.FINISHED]
+        retried, failed = settle_failed_step(self.scheduler, unfinished, error,
+                                             self.config.scheduler.max_step_retries)
+        outputs += [self._fail(seq, message) for seq, message in failed]
+        return StepError([seq.request_id for seq, _ in batch.entries], error, retried, outputs)
+
     def _restart_workers(self) -> None:
         """After a worker group failed: a fresh group (weights reloaded, empty pools), every running sequence
         back to the head of the waiting queue with prompt + tokens so far, the prefix cache forgotten."""
         for seq in reversed(list(self.scheduler.running)):
             self.scheduler.preempt(seq)
+        self._fresh_block_manager()
+        self.runner.restart()
+
+    def _fresh_block_manager(self) -> None:
+        """Empty bookkeeping of the same pools: no block or slot held, no prefix cached."""
         old = self.block_manager
         self.block_manager = self.scheduler.blocks = BlockManager(
             old.num_blocks, old.block_size, old.num_slots, old.num_snapshots, old.enable_prefix_caching)
-        self.runner.restart()
+
+    def reset(self) -> list[RequestOutput]:
+        """Abort every request and forget the prefix cache: an empty engine on the same weights and pools.
+
+        For a caller that no longer trusts the engine after an unexpected failure (the server's worker);
+        cheaper than a new Engine, which allocates its pools again. Returns the aborted requests' outputs.
+        RuntimeError if the aborts left blocks or slots held, a leak of the bookkeeping: the engine is empty
+        and usable all the same (fresh bookkeeping), the error says what was found.
+        """
+        outputs, problems = [], []
+        for request_id in list(self._sequences):
+            try:
+                outputs.append(self.abort(request_id))
+            except RuntimeError as error:  # its holdings are already inconsistent: it goes all the same
+                problems.append(f"request {request_id}: {error}")
+                del self._sequences[request_id]
+        bm = self.block_manager
+        if bm.blocks_used or bm.slots_used:
+            problems.append(f"{bm.blocks_used} blocks and {bm.slots_used} slots still held after every abort")
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self._fresh_block_manager()
+        if problems:
+            raise RuntimeError(f"reset: {'; '.join(problems)} (the bookkeeping was rebuilt empty)")
+        return outputs
 
     def close(self) -> None:
         """Stop the worker processes of a parallel engine (nothing to stop in one process)."""
@@ -257,7 +315,7 @@ class Engine:
                     except (ValueError, TypeError) as error:
                         results[i] = RequestOutput(-1, [], [], finished=True, finish_reason="error", error=str(error))
                         bar.update()
-                for out in self.step() if self.has_unfinished() else []:
+                for out in self._step_through_failures() if self.has_unfinished() else []:
                     if out.finished and out.request_id in index_of:
                         results[index_of.pop(out.request_id)] = out
                         bar.update()
@@ -267,11 +325,18 @@ class Engine:
         """Yield this request's outputs as its tokens arrive (the engine serves every request meanwhile)."""
         request_id = self.add_request(prompt, params)
         while True:
-            for out in self.step():
+            for out in self._step_through_failures():
                 if out.request_id == request_id:
                     yield out
                     if out.finished:
                         return
+
+    def _step_through_failures(self) -> list[RequestOutput]:
+        """step(), a failed step giving the outputs it finished: isolation retries the rest (failures.py)."""
+        try:
+            return self.step()
+        except StepError as error:
+            return error.outputs
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -280,4 +345,7 @@ class Engine:
                 "num_slots": bm.num_slots, "cached_blocks": bm.cached_blocks, "snapshots": bm.snapshots_held,
                 "preemptions": self.scheduler.num_preemptions, "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
                 "prefill_tokens": self._tokens["prefill"], "decode_tokens": self._tokens["decode"],
-                "worker_restarts": getattr(self.runner, "restarts", 0)}
+                "worker_restarts": getattr(self.runner, "restarts", 0),
+                # per worker rank, summed over steps; empty when the forward runs in this process
+                "rank_forward_seconds": list(getattr(self.runner, "rank_forward_seconds", [])),
+                "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", []))}

@@ -10,7 +10,8 @@ Every time comes from time.monotonic() (never the wall clock, which can jump).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -63,10 +64,22 @@ class StepRecord:
     prefix_hit_tokens: int  # total so far
 
 
-@dataclass
+DEFAULT_MAX_RECORDS = 100_000  # a long benchmark's worth; a server keeps far fewer (Prometheus has the history)
+
+
 class MetricsLog:
-    steps: list[StepRecord] = field(default_factory=list)
-    requests: list[RequestMetrics] = field(default_factory=list)
+    """The latest `max_records` step records and finished-request metrics, oldest first.
+
+    Bounded so that a long-running engine (a server, a soak) does not grow by a record per step forever;
+    older records drop off the front. Both are deques: iterate, len() or list(...)[a:b] them.
+    """
+
+    def __init__(self, max_records: int = DEFAULT_MAX_RECORDS):
+        if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records < 1:
+            raise ValueError(f"max_records: must be an integer >= 1, got {max_records!r}")
+        self.max_records = max_records
+        self.steps: deque[StepRecord] = deque(maxlen=max_records)
+        self.requests: deque[RequestMetrics] = deque(maxlen=max_records)
 
 
 def percentiles(values: list[float], qs: tuple[float, ...] = (50, 90, 99)) -> dict[str, float]:

@@ -1,9 +1,12 @@
-"""Parallel serving: the engine's steps on tp * ep worker processes (docs/design.md §10).
+"""Parallel serving: the engine's steps on pp * tp * ep worker processes (docs/design.md §10).
 
     Engine (scheduler, sampling, vision tower)        this process: plans blocks and slots, builds each
-        |  pipe: the step's ForwardBatch              step's ForwardBatch, samples from rank 0's logits
-    rank 0 ---- broadcast over gloo ----> ranks 1..n-1   parallel_worker.py: every rank runs the forward
-        |  pipe: logits [S, vocab], finite flags      over its shard and its own pools
+        |  pipe: the step's ForwardBatch              step's ForwardBatch, samples from the logits
+    rank 0 ---- broadcast over gloo ----> ranks 1..n-1   parallel_worker.py: every rank runs its part of
+        |                                             the forward over its shard and its own pools;
+        |  pipes: every rank's seconds, and from      with pp > 1 (pipeline_stage.py) stage s sends the
+        |  the answer rank the logits [S, vocab]      hidden states to stage s + 1, and the answer rank
+        |  and finite flags                           is the first rank of the last stage
 
 `serving_layout` turns the YAML `parallel` section into a ParallelConfig and refuses what cannot run,
 naming the key. `WorkerGroup` owns the processes: forkserver children (a clean single-threaded parent,
@@ -11,11 +14,12 @@ never a fork of a threaded server), a TCPStore on 127.0.0.1 for their rendezvous
 group. `ParallelRunner` is the engine's ModelRunner for them: the same ForwardBatch, KDA slot copies
 queued and sent with the next step, and `restart()` for failover.
 
-Failure: while the engine waits for a step, it watches rank 0's answer, every rank's pipe and every
-process's sentinel. A killed rank is seen at once (its sentinel); a hung one when its peers' collectives
-time out (the group timeout) and they report it. Either way the whole group is killed and WorkerGroupError
-raised; `lost` says whether it was a lost process (the engine restarts and recomputes, docs/design.md §10)
-rather than an exception in the model (the engine restarts, then raises it like a one-process step).
+Failure: while the engine waits for a step, it watches every rank's pipe (the answer, the seconds or a
+report) and every process's sentinel. A killed rank is seen at once (its sentinel); a hung one when its
+peers' collectives or pipeline receives time out (parallel.group_timeout_s) and they report it. Either
+way the whole group is killed and WorkerGroupError raised; `lost` says whether it was a lost process
+(the engine restarts and recomputes, docs/design.md §10) rather than an exception in the model (the
+engine restarts, then raises it like a one-process step).
 
 The workers are started like any spawn / forkserver child, so a script that builds a parallel Engine
 needs the usual `if __name__ == "__main__":` guard (the children import the main module).
@@ -34,13 +38,13 @@ from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.launch import loopback_store
 from latentmoe_lab.serving.config import ParallelSection
 from latentmoe_lab.serving.model_runner import ModelRunner
-from latentmoe_lab.serving.parallel_worker import pack_batch, run_worker
+from latentmoe_lab.serving.parallel_worker import answer_rank, pack_batch, run_worker
+from latentmoe_lab.serving.pipeline_stage import ServingStage
 
-GROUP_TIMEOUT_S = 30.0  # every process group's timeout: a hung rank is detected within it
 START_TIMEOUT_S = 120.0  # joining + loading weights, on a busy shared machine
 STOP_TIMEOUT_S = 10.0
 REPORT_GRACE_S = 0.5  # after a failure, how long the other ranks' reports may take to arrive
-KEYS = {"tp": "tensor_parallel_size", "ep": "expert_parallel_size"}
+KEYS = {"tp": "tensor_parallel_size", "ep": "expert_parallel_size", "pp": "pipeline_parallel_size"}
 
 
 class WorkerGroupError(RuntimeError):
@@ -51,17 +55,15 @@ class WorkerGroupError(RuntimeError):
         self.lost = lost
 
 
-def serving_layout(config, section: ParallelSection, timeout_s: float = GROUP_TIMEOUT_S) -> ParallelConfig | None:
-    """The ParallelConfig of a service's `parallel` section, None for one process; ValueError naming the key."""
-    if section.pipeline_parallel_size != 1:
-        raise ValueError(f"parallel.pipeline_parallel_size: must be 1 for serving, got "
-                         f"{section.pipeline_parallel_size}; the paged serving forward runs every layer on "
-                         f"every rank (tensor and expert parallelism only; plan-service plans pipelines)")
-    pconfig = ParallelConfig(tp=section.tensor_parallel_size, ep=section.expert_parallel_size, timeout_s=timeout_s)
+def serving_layout(config, section: ParallelSection) -> ParallelConfig | None:
+    """The ParallelConfig of a service's `parallel` section; None when the forward runs in this process
+    (every size 1 and no parallel.forward_process); ValueError naming the key."""
+    pconfig = ParallelConfig(tp=section.tensor_parallel_size, ep=section.expert_parallel_size,
+                             pp=section.pipeline_parallel_size, timeout_s=float(section.group_timeout_s))
     if pconfig.world_size == 1:
-        return None
+        return pconfig if section.forward_process else None
     try:
-        pconfig.validate_for(config)  # heads, expert and FFN widths (so the shared experts' too), experts
+        pconfig.validate_for(config)  # heads, expert and FFN widths (so the shared experts' too), experts, layers
     except ValueError as error:
         dim, rule = str(error).split(": ", 1)
         raise ValueError(f"parallel.{KEYS[dim]}: {rule}") from None
@@ -77,10 +79,12 @@ def weights_bytes(model) -> bytes:
 
 
 class WorkerGroup:
-    """tp * ep worker processes in one gloo group, started by start(), ended by close() or kill()."""
+    """pp * tp * ep worker processes in one gloo group, started by start(), ended by close() or kill()."""
 
-    def __init__(self, pconfig: ParallelConfig, config, plan, weights: bytes):
-        self.pconfig, self.config, self.plan, self.weights = pconfig, config, plan, weights
+    def __init__(self, pconfig: ParallelConfig, config, stages: list[ServingStage], weights: bytes):
+        self.pconfig, self.config, self.stages, self.weights = pconfig, config, stages, weights
+        self.answer_rank = answer_rank(pconfig)  # the rank whose pipe brings the logits
+        self.pool_bytes: list[int] = [0] * pconfig.world_size  # what each rank allocated, from its "ready"
         self.processes: list = []
         self.conns: list = []
         self._store = contextlib.ExitStack()
@@ -94,11 +98,13 @@ class WorkerGroup:
         context.set_forkserver_preload(["latentmoe_lab.serving.parallel_worker"])
         port = self._store.enter_context(loopback_store(self.pconfig.timeout_s))
         heartbeat = self.pconfig.timeout_s / 4
+        # ranks share the cores, one thread each; a lone forward process gets this process's thread count
+        threads = torch.get_num_threads() if self.pconfig.world_size == 1 else 1
         for rank in range(self.pconfig.world_size):
             ours, theirs = context.Pipe()
             process = context.Process(target=run_worker, name=f"latentmoe-serve-rank{rank}", daemon=True,
-                                      args=(rank, self.pconfig, port, self.config, self.plan, self.weights,
-                                            theirs, heartbeat))
+                                      args=(rank, self.pconfig, port, self.config, self.stages, self.weights,
+                                            theirs, heartbeat, threads))
             process.start()
             theirs.close()
             self.processes.append(process)
@@ -115,13 +121,18 @@ class WorkerGroup:
                     reply = self._receive(rank)
                     if reply is None or reply[0] != "ready":
                         raise self._failure(f"worker {rank} failed to start", reply)
+                    self.pool_bytes[rank] = reply[2]
                     waiting.discard(rank)
         return self
 
     def step(self, header: dict, flat: torch.Tensor,
-             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
-        """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, rank 0's (forward, collective)
-        seconds); WorkerGroupError on any failure."""
+             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float]]]:
+        """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, every rank's (forward, collective)
+        seconds in rank order); WorkerGroupError on any failure.
+
+        The answer rank sends the logits with its seconds, every other rank its seconds alone, each on its
+        own pipe once its part of the step is done; the step returns when all of them have arrived.
+        """
         if not self.conns:
             raise self._failure("the group was killed after an earlier failure")
         try:
@@ -130,19 +141,28 @@ class WorkerGroup:
             raise self._failure(f"rank 0 cannot take the step ({error})") from None
         # a hung rank makes its peers' collectives time out, and they report it; this deadline is the
         # backstop for a group that stops answering as a whole (a whole step may outlast one collective)
-        deadline = time.monotonic() + 2 * self.pconfig.timeout_s
-        while True:
+        deadline = time.monotonic() + (self.pconfig.pp + 1) * self.pconfig.timeout_s
+        answer, seconds = None, {}
+        while answer is None or len(seconds) < len(self.conns):
             ready = wait(self.conns + [p.sentinel for p in self.processes],
                          timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise self._failure(f"no answer within twice the group timeout ({self.pconfig.timeout_s}s)")
-            if self.conns[0] in ready:
-                reply = self._receive(0)
-                if reply is not None and reply[0] == "logits":
-                    return torch.from_numpy(reply[1]), torch.from_numpy(reply[2]), reply[3]
-                raise self._failure("rank 0 failed the step", reply)
-            rank = next(r for r, p in enumerate(self.processes) if self.conns[r] in ready or p.sentinel in ready)
-            raise self._failure(f"rank {rank} failed the step", self._receive(rank))
+                raise self._failure(f"no answer within {self.pconfig.pp + 1} group timeouts "
+                                    f"({self.pconfig.timeout_s}s each)")
+            for rank, conn in enumerate(self.conns):
+                if conn not in ready:
+                    continue
+                reply = self._receive(rank)
+                if reply is not None and reply[0] == "logits" and rank == self.answer_rank:
+                    answer, seconds[rank] = reply, reply[3]
+                elif reply is not None and reply[0] == "seconds":
+                    seconds[rank] = reply[1]
+                else:
+                    raise self._failure(f"rank {rank} failed the step", reply)
+            dead = [r for r, p in enumerate(self.processes) if p.sentinel in ready]
+            if dead:
+                raise self._failure(f"rank {dead[0]} failed the step")
+        return torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), [seconds[r] for r in range(len(self.conns))]
 
     def _receive(self, rank: int):
         """Rank's next message, or None when its pipe is closed (the process died without a word)."""
@@ -194,14 +214,16 @@ class ParallelRunner(ModelRunner):
     rank before the next step's forward, in order.
     """
 
-    def __init__(self, model, plan, pconfig: ParallelConfig):
-        super().__init__(model, None, plan.block_size)
-        self.plan, self.pconfig = plan, pconfig
+    def __init__(self, model, stages: list[ServingStage], pconfig: ParallelConfig):
+        super().__init__(model, None, stages[0].plan.block_size)
+        self.stages, self.pconfig = stages, pconfig
         self.restarts = 0
         self.restarts_in_a_row = 0  # since the last step that succeeded
-        self.forward_seconds = self.collective_seconds = 0.0  # rank 0's, summed over steps
+        # every rank's forward and collective seconds, summed over steps (across group restarts too)
+        self.rank_forward_seconds = [0.0] * pconfig.world_size
+        self.rank_collective_seconds = [0.0] * pconfig.world_size
         self._copies: list[tuple[int, int]] = []
-        self.group = WorkerGroup(pconfig, model.config, plan, weights_bytes(model)).start()
+        self.group = WorkerGroup(pconfig, model.config, stages, weights_bytes(model)).start()
 
     @property
     def pids(self) -> list[int]:
@@ -219,9 +241,10 @@ class ParallelRunner(ModelRunner):
         header, flat, features = pack_batch(self.build_batch(batch), self._copies)
         self._copies = []
         self.last_build_time = time.monotonic() - start
-        logits, finite, (forward, collective) = self.group.step(header, flat, features)
-        self.forward_seconds += forward
-        self.collective_seconds += collective
+        logits, finite, seconds = self.group.step(header, flat, features)
+        for rank, (forward, collective) in enumerate(seconds):
+            self.rank_forward_seconds[rank] += forward
+            self.rank_collective_seconds[rank] += collective
         self.restarts_in_a_row = 0
         return CausalLMOutput(logits=logits, finite=finite)
 
@@ -231,7 +254,7 @@ class ParallelRunner(ModelRunner):
         self._copies = []
         self.restarts += 1
         self.restarts_in_a_row += 1
-        self.group = WorkerGroup(self.pconfig, self.model.config, self.plan, weights_bytes(self.model)).start()
+        self.group = WorkerGroup(self.pconfig, self.model.config, self.stages, weights_bytes(self.model)).start()
 
     def close(self) -> None:
         self.group.close()

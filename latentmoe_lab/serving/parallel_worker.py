@@ -1,19 +1,24 @@
-"""One rank of a parallel serving group: its TP/EP shard, its own paged pools, a forward per step (docs/design.md §10).
+"""One rank of a parallel serving group: its PP stage and TP/EP shard, its own paged pools, a forward per step
+(docs/design.md §10).
 
 A long-lived process (parallel/launch.py runs functions to completion; a server needs ranks that wait for
-the next step). parallel_runner.WorkerGroup starts tp * ep of them; each
+the next step). parallel_runner.WorkerGroup starts pp * tp * ep of them; each
 
     joins     gloo over the TCPStore the engine process serves on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), then
-              ProcessMesh gives every tp / ep line its own group, all with the layout's timeout
-    loads     the full weights from safetensors bytes and cuts its shard the way parallel/sharded.py does:
-              heads and FFN widths sliced (parallel/tensor.py), experts [r*E/ep, (r+1)*E/ep) behind the
-              All-to-All dispatcher (parallel/expert.py); its config then carries heads / tp
-    allocates PagedPools of the engine's plan for those local heads: KDA state [rows, H/tp, d_k, d_v]; the
-              DSA latent and indexer keys are replicated, so the block pools are whole on every rank
+              ProcessMesh gives every pp / tp / ep line its own group, all with the layout's timeout
+    loads     the full weights from safetensors bytes and cuts its part: its stage's layers (with the
+              embedding on the first stage, the final norm and LM head on the last, pipeline_stage.py),
+              then the way parallel/sharded.py does: heads and FFN widths sliced (parallel/tensor.py),
+              experts [r*E/ep, (r+1)*E/ep) behind the All-to-All dispatcher (parallel/expert.py); its
+              config then carries heads / tp
+    allocates PagedPools of its stage's plan (its layers, local heads): KDA state [rows, H/tp, d_k, d_v];
+              the DSA latent and indexer keys are replicated, so the block pools are whole on every rank
+              of a stage; it reports the bytes it allocated with "ready"
     loops     rank 0 takes a step from the engine's pipe and broadcasts it (a header object, then the
               ForwardBatch's index tensors as one flat int64 tensor, then the image features); every
-              rank applies the step's KDA slot copies and runs the forward; rank 0 sends back the logits
-              with its forward and collective seconds (parallel/comm.py's timeline).
+              rank applies the step's KDA slot copies and runs its part of the forward; the answer rank
+              (the first of the last stage) sends back the logits with its forward and collective
+              seconds (parallel/comm.py's timeline), every other rank its seconds alone.
 
 Every rank sees the same tokens, so each EP rank routes all of them: its All-to-All rows duplicate the
 other rank's, which costs compute but not correctness (each rank gets the complete expert sum).
@@ -38,10 +43,11 @@ from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.parallel.comm import Comm, CollectiveError
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.expert import AllToAllDispatcher, ParallelMoE, expert_range
-from latentmoe_lab.parallel.mesh import ProcessMesh
+from latentmoe_lab.parallel.mesh import ProcessMesh, coords_rank
 from latentmoe_lab.parallel.sequence import SequenceLayout
 from latentmoe_lab.parallel.tensor import (TensorParallel, local_config, shard_dsa, shard_experts, shard_kda,
                                            shard_swiglu)
+from latentmoe_lab.serving.pipeline_stage import ServingStage, StageForward, keep_stage
 
 INDEX_FIELDS = ("input_ids", "positions", "query_start", "context_len", "state_slot", "block_table",
                 "slot_mapping", "emit", "image_mask")
@@ -68,6 +74,21 @@ def unpack_batch(header: dict, flat: torch.Tensor, features: torch.Tensor | None
         fields[name] = value.bool() if name in BOOL_FIELDS else value
         offset += size
     return ForwardBatch(**fields, block_size=header["block_size"], image_features=features)
+
+
+def busy_seconds(events) -> float:
+    """Seconds covered by at least one of the CommEvents (their union: an async All-to-All counts until it
+    is waited on, so the shared experts it overlaps count too, and a collective inside that span only once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted((e.start, e.end) for e in events if e.end is not None):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
+def answer_rank(pconfig: ParallelConfig) -> int:
+    """The rank that sends the step's logits to the engine: the first of the last pipeline stage."""
+    return coords_rank(pconfig, {"pp": pconfig.pp - 1})
 
 
 def _flat_numel(header: dict) -> int:
@@ -97,8 +118,8 @@ def broadcast_message(rank: int, message: tuple | None) -> tuple[dict, torch.Ten
 
 
 # ------------------------------------------------------------------ this rank's shard
-def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm) -> LatentMoEForCausalLM:
-    """Cut `model` (this process's own copy) in place to this rank's TP/EP shard, for the paged forward.
+def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm, layers: range) -> LatentMoEForCausalLM:
+    """Cut `model` (this process's own copy) in place to this rank's PP stage (`layers`) and TP/EP shard.
 
     The blocks keep their forward: attention and dense / shared FFNs become sliced copies whose partial
     sums TensorParallel completes; each MoE keeps its experts behind the All-to-All dispatcher. The model's
@@ -107,6 +128,8 @@ def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm) -> LatentMoEForCa
     pconfig, config, mesh = comm.mesh.pconfig, model.config, comm.mesh
     tp, tp_index, whole = pconfig.tp, mesh.index("tp"), SequenceLayout()
     experts = expert_range(config.moe.num_experts, pconfig.ep, mesh.index("ep"))
+    if pconfig.pp > 1:
+        keep_stage(model, layers, mesh.is_first_stage, mesh.is_last_stage)
     for block in model.layers:
         if tp > 1:
             attn = (shard_kda if block.attention_type == KDA else shard_dsa)(block.attn, config, tp_index, tp)
@@ -136,23 +159,26 @@ def load_weights(config: ModelConfig, weights: bytes) -> LatentMoEForCausalLM:
 
 
 # ------------------------------------------------------------------ the process
-def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: ModelConfig, plan, weights: bytes,
-               conn, heartbeat_s: float) -> None:
+def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: ModelConfig,
+               stages: list[ServingStage], weights: bytes, conn, heartbeat_s: float, threads: int) -> None:
     """The body of one worker process (module level, so the forkserver can start it)."""
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on the loopback interface only
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         timeout = timedelta(seconds=pconfig.timeout_s)
         store = dist.TCPStore("127.0.0.1", store_port, pconfig.world_size, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=pconfig.world_size, timeout=timeout)
         from latentmoe_lab.serving.planner import allocate_pools
 
         comm = Comm(ProcessMesh(pconfig))
-        comm.timeline = []  # every collective of the forward, for rank 0's collective seconds
-        model = shard_for_serving(load_weights(config, weights), comm)
-        pools = allocate_pools(plan.config, plan)
-        conn.send(("ready", os.getpid()))
-        _serve(rank, model, pools, comm, conn, heartbeat_s)
+        comm.timeline = []  # every collective of the forward, for this rank's collective seconds
+        stage = stages[comm.mesh.index("pp")]
+        model = load_weights(config, weights)
+        if pconfig.world_size > 1:  # a lone forward process (parallel.forward_process) keeps the whole model
+            model = shard_for_serving(model, comm, stage.layers)
+        pools = allocate_pools(stage.plan.config, stage.plan)
+        conn.send(("ready", os.getpid(), sum(pools.nbytes().values())))
+        _serve(rank, StageForward(model, comm, stage.layers, config), pools, comm, conn, heartbeat_s)
     except BaseException as error:  # noqa: BLE001 - reported to the engine, then this process ends
         kind = "collective" if isinstance(error, CollectiveError) else "error"
         try:
@@ -163,7 +189,7 @@ def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: Mode
     dist.destroy_process_group()
 
 
-def _serve(rank: int, model, pools, comm: Comm, conn, heartbeat_s: float) -> None:
+def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_s: float) -> None:
     while True:
         message = None
         if rank == 0:
@@ -183,11 +209,11 @@ def _serve(rank: int, model, pools, comm: Comm, conn, heartbeat_s: float) -> Non
             pools.copy_slot(src, dst)
         batch = unpack_batch(header, flat, features)
         start = time.perf_counter()
-        with torch.no_grad():
-            output = model(batch.input_ids, batch=batch, pools=pools)
-        # an async All-to-All counts until it is waited on, so the shared experts it overlaps count too
-        collective = sum(event.end - event.start for event in comm.timeline if event.end is not None)
+        output = forward(batch, pools)  # None on a pipeline stage before the last
+        collective = busy_seconds(comm.timeline)
         comm.timeline.clear()
-        if rank == 0:
-            conn.send(("logits", output.logits.numpy(), output.finite.numpy(),
-                       (time.perf_counter() - start, collective)))
+        seconds = (time.perf_counter() - start, collective)  # every rank's own, for its rank="r" series
+        if rank == answer_rank(comm.mesh.pconfig):
+            conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds))
+        else:
+            conn.send(("seconds", seconds))

@@ -22,6 +22,12 @@ sequence not yet scheduled this step gives back its blocks and slot and returns 
 waiting queue with prompt + generated tokens (num_computed = 0); it is recomputed when readmitted, the
 prefix cache often giving most of it back. Nothing is admitted in a step that preempted.
 
+Isolation after a failed step (the engine's bisection, docs/design.md §6.5): the step's sequences are
+split into two isolation groups. A step runs ONE cohort, the ordinary sequences or one group, cohorts
+taking turns (round-robin); within it the rules above hold unchanged, and admission stays first come,
+first served across cohorts (a waiting head of another cohort waits for its turn). A member rejoins
+the ordinary sequences once it has generated the token the failed step was computing.
+
 Image-aware chunking, policy "features once": a request's vision features are computed at its first
 chunk and kept until it ends (preemption included), so chunks may cut image spans anywhere; each chunk
 takes the rows of the features for its own placeholders (Sequence.placeholders_before).
@@ -71,6 +77,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first, so the newest is preempted
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self._next_group = 0  # isolation group ids, never reused
+        self._last_cohort: int | None = None  # the cohort of the last step: the next one takes its turn
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,10 +89,21 @@ class Scheduler:
 
     # ----------------------------------------------------------------- a step
     def schedule(self) -> ScheduledBatch:
+        """The next step: sequences of one cohort only, the ordinary ones or one isolation group, cohorts
+        taking turns so that none starves; a cohort with nothing to run passes its turn on."""
         batch = ScheduledBatch()
         scheduled: set[int] = set()
+        for cohort in self._turn_order():
+            self._schedule_cohort(cohort, batch, scheduled)
+            if batch.entries:
+                self._last_cohort = cohort
+                break
+        return batch
+
+    def _schedule_cohort(self, cohort: int | None, batch: ScheduledBatch, scheduled: set[int]) -> None:
         budget = self.budget
-        for seq in list(self.running):  # 1. decodes
+        members = [seq for seq in self.running if seq.isolation_group == cohort]
+        for seq in members:  # 1. decodes
             if seq.status is Status.RUNNING and not seq.in_prefill and budget > 0:
                 if self._make_room(seq, 1, scheduled, batch):
                     batch.entries.append((seq, 1))
@@ -92,8 +111,9 @@ class Scheduler:
                     budget -= 1
         first_prefill = True
         # a long prompt may not take a whole step's budget while a newcomer could be admitted: half stays free
-        share = max(1, self.budget // 2) if self.waiting and len(self.running) < self.max_num_seqs else self.budget
-        for seq in list(self.running):  # 2. prefill chunks of running sequences
+        admitting = self._admits_next(cohort) and len(self.running) < self.max_num_seqs
+        share = max(1, self.budget // 2) if admitting else self.budget
+        for seq in members:  # 2. prefill chunks of running sequences
             if seq.status is Status.RUNNING and seq.in_prefill and seq.request_id not in scheduled:
                 n = self._chunk_length(seq, min(budget, share), first_prefill)
                 if n > 0 and self._make_room(seq, n, scheduled, batch):
@@ -101,7 +121,8 @@ class Scheduler:
                     scheduled.add(seq.request_id)
                     budget -= n
                     first_prefill = False
-        while self.waiting and not batch.preempted and len(self.running) < self.max_num_seqs:  # 3. admit
+        # 3. admit, first come first served across cohorts: a head of another cohort waits for its turn
+        while self._admits_next(cohort) and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget, first_prefill)
             if n == 0:
@@ -112,7 +133,33 @@ class Scheduler:
             scheduled.add(seq.request_id)
             budget -= n
             first_prefill = False
-        return batch
+
+    def _admits_next(self, cohort: int | None) -> bool:
+        return bool(self.waiting) and self.waiting[0].isolation_group == cohort
+
+    def _turn_order(self) -> list[int | None]:
+        """The cohorts with unfinished sequences, beginning after the one that ran last: the ordinary
+        sequences (None) rank first, isolation groups after them by id (newer groups last)."""
+        def rank(cohort: int | None) -> int:
+            return -1 if cohort is None else cohort
+
+        cohorts = sorted({seq.isolation_group for seq in (*self.running, *self.waiting)}, key=rank)
+        later = [c for c in cohorts if rank(c) > rank(self._last_cohort)]
+        return later + [c for c in cohorts if rank(c) <= rank(self._last_cohort)]
+
+    def isolate(self, seqs: list[Sequence]) -> None:
+        """After a failed step of `seqs`, none of them to blame yet: split them into two isolation groups
+        (halves in batch order; a lone sequence gets a group of its own). A member runs only in steps with
+        its group until it has generated the token the failed step was computing; then it rejoins the
+        ordinary sequences. A group whose step fails again is split again (docs/design.md §6.5)."""
+        half = -(-len(seqs) // 2)
+        for part in (seqs[:half], seqs[half:]):
+            if not part:
+                continue
+            group, self._next_group = self._next_group, self._next_group + 1
+            for seq in part:
+                seq.isolation_group = group
+                seq.isolated_until = len(seq.generated_ids)
 
     def _chunk_length(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
         """New tokens for a prefilling sequence: budget-bound, block-aligned when prefix caching is on."""
@@ -189,6 +236,8 @@ class Scheduler:
             self._offer_blocks(seq)
             if seq.request_id in sampled:
                 seq.token_ids.append(sampled[seq.request_id])
+                if seq.isolation_group is not None and len(seq.generated_ids) > seq.isolated_until:
+                    seq.isolation_group = None  # it got through the step that failed: back with the others
                 if seq.finish_reason is None:
                     seq.finish_reason = self._stop_reason(seq)
                 if seq.finish_reason is not None:

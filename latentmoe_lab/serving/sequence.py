@@ -59,6 +59,11 @@ class Sequence:
         self.error: str | None = None
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        # after a failed step (docs/design.md §6.5): the isolation group it runs in, alone with its members,
+        # until it has generated more than `isolated_until` tokens; and the failed steps it was retried after
+        self.isolation_group: int | None = None
+        self.isolated_until = 0
+        self.step_retries = 0
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []  # monotonic time each generated token was sampled
         self.finish_time: float | None = None
