@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -84,15 +86,8 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
             raise bad_request(f"request body: malformed JSON ({error})", None, "invalid_json") from None
 
     async def accept(parsed: ParsedRequest, queue: asyncio.Queue) -> int:
-        loop = asyncio.get_running_loop()
-
-        def deliver(event: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the event loop has closed: the server is shutting down
-                pass
-
-        future = worker.submit(parsed.prompt_ids, parsed.params, deliver)
+        mailbox = _Mailbox.of(asyncio.get_running_loop())
+        future = worker.submit(parsed.prompt_ids, parsed.params, lambda event: mailbox.post(queue, event))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -123,8 +118,9 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
                 yield Event([], True, "error", f"request_timeout: unfinished after {settings.request_timeout_s} s")
                 return
             try:
-                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(DISCONNECT_POLL_S):  # a timer, not a task per event (wait_for)
+                    event = await queue.get()
+            except TimeoutError:
                 continue
             yield event
             if event.finished:
@@ -183,6 +179,43 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _Mailbox:
+    """Events from the engine thread to the requests' queues on the event loop, one wake-up per batch.
+
+    A step delivers an event to every request it served; one call_soon_threadsafe each would wake the
+    loop (and take the GIL from the engine thread) once per request. Events that arrive before the
+    loop drains the box ride along with the first one's wake-up.
+    """
+
+    _boxes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loop -> its box (used on the loop only)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.pending = loop, threading.Lock(), []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_Mailbox":
+        box = cls._boxes.get(loop)
+        if box is None:
+            box = cls._boxes[loop] = cls(loop)
+        return box
+
+    def post(self, queue: asyncio.Queue, event: Event) -> None:
+        with self.lock:
+            self.pending.append((queue, event))
+            if len(self.pending) > 1:
+                return  # a drain is already scheduled
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+    def _drain(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
 
 
 def _engine_error(error: str | None) -> APIError:
