@@ -11,7 +11,8 @@ long        one 16k-token prompt arriving with 8 short ones: the short requests'
             prompt runs whole in one step; target >= 5x lower), and the long one's e2e (target within 1.3x).
 prefix      16 requests sharing a 2k-token prefix (one first, then 15): prefill tokens computed, mean TTFT of
             the 15 and the outputs, prefix caching on against off (targets >= 80% fewer tokens, >= 3x TTFT,
-            identical outputs).
+            identical outputs). A request whose outputs differ is also served alone, to tell which run
+            moved it (the engine is not bitwise batch-invariant: see RESULTS.md).
 overhead    32 running sequences decoding: scheduler + ForwardBatch metadata time as a share of step time
             (target <= 10%).
 memory      64k- and 128k-token prompts prefilled in chunks of 512: peak tensor memory allocated during the
@@ -100,10 +101,16 @@ def bench_prefix(model, scale, g):
             "mean_ttft_s": sum(o.metrics.ttft for o in rest) / len(rest),
             "outputs": [o.token_ids for o in first + rest]}
     on, off = results["on"], results["off"]
+    # a request whose outputs differ is served alone (prefix caching off): which run changed it
+    differ = [i for i, (a, b) in enumerate(zip(on["outputs"], off["outputs"])) if a != b]
+    alone = {i: Engine(model, service(4096)).generate([prompts[i]], SamplingParams(max_tokens=8),
+                                                      use_tqdm=False)[0].token_ids for i in differ}
     return {"shared_prefix": len(shared), "prefill_tokens_off": off["prefill_tokens"],
             "prefill_tokens_on": on["prefill_tokens"], "hit_tokens": on["hit_tokens"],
             "fewer_prefill_tokens": 1 - on["prefill_tokens"] / off["prefill_tokens"],
-            "ttft_ratio": off["mean_ttft_s"] / on["mean_ttft_s"], "outputs_equal": on["outputs"] == off["outputs"]}
+            "ttft_ratio": off["mean_ttft_s"] / on["mean_ttft_s"], "outputs_equal": not differ,
+            "differing_requests": differ, "differing_on_equals_alone": [on["outputs"][i] == alone[i] for i in differ],
+            "differing_off_equals_alone": [off["outputs"][i] == alone[i] for i in differ]}
 
 
 def bench_overhead(model, scale, g):

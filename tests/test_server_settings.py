@@ -55,3 +55,24 @@ def test_serve_refuses_bad_flags(tmp_path, capsys):
     assert "--config" in capsys.readouterr().err
     assert main(["serve", "--config", "configs/service-cpu.yaml", "--port", "0"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_serve_threads_go_to_the_forward_process_and_the_server_keeps_one():
+    import torch
+
+    from latentmoe_lab.server.cli import _set_threads
+
+    before = torch.get_num_threads()
+    try:
+        config = ServiceConfig.from_dict({"parallel": {"forward_process": True}})
+        assert _set_threads(config, 3).parallel.forward_threads == 3 and torch.get_num_threads() == 1
+        pinned = ServiceConfig.from_dict({"parallel": {"forward_process": True, "forward_threads": 2}})
+        assert _set_threads(pinned, 3).parallel.forward_threads == 2  # the service file's own value wins
+        in_process = ServiceConfig.from_dict({})
+        assert _set_threads(in_process, 2).parallel.forward_threads == 0 and torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="--threads: must be >= 1"):
+            _set_threads(config, 0)
+        with pytest.raises(ValueError, match="parallel.forward_threads: must be an integer >= 0"):
+            ServiceConfig.from_dict({"parallel": {"forward_threads": -1}})
+    finally:
+        torch.set_num_threads(before)

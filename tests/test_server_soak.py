@@ -2,6 +2,7 @@
 the RSS slope and drift table computed, the HTML report written (docs/design.md §10)."""
 import math
 
+import psutil
 import pytest
 
 from latentmoe_lab.cli import main
@@ -9,6 +10,7 @@ from latentmoe_lab.server.soak import run_soak, soak_report
 from latentmoe_lab.server.threaded import start_service
 
 SERVICE = {"model": {"name": "tiny-soak", "preset": "tiny", "max_model_len": 512},
+           "parallel": {"forward_process": True},  # as configs/service-cpu.yaml
            "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 1_000_000, "enable_prefix_caching": True},
            "scheduler": {"max_batch_size": 32, "prefill_chunk_size": 128}}
 
@@ -23,6 +25,8 @@ def test_short_soak_has_no_errors_and_drains_to_zero(tmp_path):
     assert len(result.requests) >= 16 and len(result.samples) >= 6
     assert max(s["blocks"] for s in result.samples) > 0  # the sampler saw the load
     assert math.isfinite(result.rss_slope_mib_per_min(0.25))
+    # the sampled RSS is the service's: this (server) process plus its forward process
+    assert result.samples[-1]["rss"] > psutil.Process().memory_info().rss + 50 * 2**20
     rows = result.drift_table(0.25)
     assert len(rows) == 4 and sum(r["requests"] for r in rows) > 0
     path = soak_report(result, 0.25, tmp_path / "soak.html")

@@ -61,6 +61,7 @@ def test_ep2tp2_greedy_equals_one_process(engine, reference):
     assert len(forward) == len(collective) == 4  # every rank measured its own part
     assert engine.runner.group.pool_bytes == [engine.plan.total_bytes] * 4  # planned == allocated, per rank
     assert all(c > 0 for c in collective) and all(c <= f for c, f in zip(collective, forward))
+    assert len(stats["rank_resident_bytes"]) == 4 and all(b > 2**20 for b in stats["rank_resident_bytes"])
 
 
 def test_collective_seconds_count_overlapping_events_once():
@@ -75,9 +76,11 @@ def test_rank_seconds_counters_keep_moving_across_an_engine_replacement():
     base = {"running": 0, "waiting": 0, "blocks_used": 0, "num_blocks": 8, "slots_used": 0, "num_slots": 2,
             "cached_blocks": 0, "preemptions": 0, "prefix_hit_tokens": 0, "worker_restarts": 0}
     for forward, collective in (([1.0, 2.0], [0.5, 1.0]), ([3.0, 5.0], [1.0, 2.0])):
-        metrics.observe_engine(base | {"rank_forward_seconds": forward, "rank_collective_seconds": collective})
+        metrics.observe_engine(base | {"rank_forward_seconds": forward, "rank_collective_seconds": collective,
+                                       "rank_resident_bytes": [1, 2]})
     metrics.engine_replaced()  # a fresh engine's totals start at zero again
-    metrics.observe_engine(base | {"rank_forward_seconds": [0.5, 0.25], "rank_collective_seconds": [0.0, 0.25]})
+    metrics.observe_engine(base | {"rank_forward_seconds": [0.5, 0.25], "rank_collective_seconds": [0.0, 0.25],
+                                   "rank_resident_bytes": [1, 2]})
     samples = {(f.name, s.labels["rank"]): s.value
                for f in text_string_to_metric_families(metrics.exposition().decode())
                for s in f.samples if s.name.startswith("latentmoe_rank_") and s.name.endswith("_total")}
@@ -159,6 +162,8 @@ def test_server_keeps_every_stream_through_a_killed_worker_and_counts_the_restar
         for name in ("latentmoe_rank_forward_seconds", "latentmoe_rank_collective_seconds"):
             series = {s.labels["rank"]: s.value for s in families[name].samples if s.name.endswith("_total")}
             assert sorted(series) == ["0", "1", "2", "3"] and all(v > 0 for v in series.values())
+        resident = {s.labels["rank"]: s.value for s in families["latentmoe_worker_resident_memory_bytes"].samples}
+        assert sorted(resident) == ["0", "1", "2", "3"] and all(v > 2**20 for v in resident.values())
         pids = first_pids + list(worker.engine.runner.pids)
     assert not any(psutil.pid_exists(pid) for pid in pids)  # stopping the server stopped its workers
 

@@ -21,6 +21,9 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="torch threads of the forward (default: one per core); with parallel.forward_process "
+                            "the forward process gets them and the server keeps one for sampling")
     serve.set_defaults(func=cmd_serve)
     add_soak_parser(subparsers)
 
@@ -37,6 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
     config, settings = load_service_file(args.config)
     config = with_checkpoint(config, args.checkpoint)
+    config = _set_threads(config, args.threads)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
@@ -48,6 +52,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         worker.stop()
     return 0
+
+
+def _set_threads(config, threads: int | None):
+    """This process's torch threads, and the forward process's: two processes with one OpenMP thread per
+    core each would make every parallel op wait for a descheduled thread (oversubscription)."""
+    import dataclasses
+
+    import torch
+
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads: must be >= 1, got {threads}")
+    threads = threads or os.cpu_count() or 1
+    if not config.parallel.forward_process:
+        torch.set_num_threads(threads)
+        return config
+    torch.set_num_threads(1)
+    forward_threads = config.parallel.forward_threads or threads  # the service file's own value wins
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, forward_threads=forward_threads))
 
 
 def add_soak_parser(subparsers) -> None:

@@ -56,6 +56,9 @@ class ServerMetrics:
                                             "steps (its layers, collectives included)", ["rank"], registry=r),
             "rank_collective_seconds": Counter(f"{p}_rank_collective_seconds", "a worker rank's seconds in "
                                                "collectives and pipeline send / receive", ["rank"], registry=r)}
+        self.rank_resident = Gauge(f"{p}_worker_resident_memory_bytes", "a worker rank's resident memory at its "
+                                   "last step (the server process's own is process_resident_memory_bytes)",
+                                   ["rank"], registry=r)
         self.engine_replaced()
 
     def observe_engine(self, stats: dict) -> None:
@@ -79,6 +82,8 @@ class ServerMetrics:
             for rank, total in enumerate(stats[name]):
                 counter.labels(rank=str(rank)).inc(max(total - seen[rank], 0.0))
                 seen[rank] = total
+        for rank, resident in enumerate(stats["rank_resident_bytes"]):
+            self.rank_resident.labels(rank=str(rank)).set(resident)
 
     def engine_replaced(self) -> None:
         """A fresh engine counts from zero again."""

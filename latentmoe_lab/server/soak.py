@@ -2,8 +2,8 @@
 
 C client threads send a seeded mix through the official openai client: completions and chat, streamed
 and not, prompts of 1..MAX_PROMPT bytes, 1..max_tokens new tokens, greedy or sampled, some with stop
-strings. A sampler reads /metrics every `sample_s`: RSS, KV blocks and KDA slots used, running and waiting
-requests, and the p50 / p99 latency of the requests finished since the last sample. After the deadline
+strings. A sampler reads /metrics every `sample_s`: RSS (the server process plus its worker processes, when
+the forward runs in them), KV blocks and KDA slots used, running and waiting requests, and the p50 / p99 latency of the requests finished since the last sample. After the deadline
 (or max_requests) the clients stop, the server drains, and the run checks blocks == slots == 0.
 
 Leak and drift, after a warm-up (the first `warmup` share of the run, while allocator pools grow):
@@ -100,6 +100,9 @@ def read_gauges(base_url: str) -> dict:
         for sample in family.samples:
             if sample.name in GAUGES:
                 values[GAUGES[sample.name]] = sample.value
+            elif sample.name == "latentmoe_worker_resident_memory_bytes":  # a leak in a worker counts too
+                values["worker_rss"] = values.get("worker_rss", 0.0) + sample.value
+    values["rss"] = values.get("rss", 0.0) + values.pop("worker_rss", 0.0)
     return values
 
 
@@ -180,7 +183,7 @@ def soak_report(result: SoakResult, warmup: float, path: str):
         return fig.update_layout(title=title, xaxis_title="time (s)", yaxis_title=unit, height=320)
 
     sections = [result.summary(warmup),
-                Captioned(figure({"RSS": [s["rss"] / 2**20 for s in result.samples]}, "server RSS", "MiB"),
+                Captioned(figure({"RSS": [s["rss"] / 2**20 for s in result.samples]}, "RSS, server + workers", "MiB"),
                           "Flat after the warm-up line means no leak; the slope is in the summary."),
                 Captioned(figure({"blocks used": [s["blocks"] for s in result.samples],
                                   "slots used": [s["slots"] for s in result.samples]}, "KV blocks and KDA slots", "count"),

@@ -17,6 +17,8 @@ Four sections, the keys of the public example first, then ours where the example
       forward_process       bool   ours: with every size 1, run the forward in one worker process anyway
                                    (default false). A server sets it: its engine thread then waits on a
                                    pipe instead of holding the GIL that the HTTP event loop needs
+      forward_threads       int    ours: torch threads of that process (default 0: as many as the process
+                                   that builds the Engine uses; `latentmoe-lab serve --threads` sets it)
       group_timeout_s       float  ours: seconds in (0, 3600], the timeout of every worker process group
                                    (default 30.0): a rank that hangs is detected within it, so a pipeline
                                    stage's part of a step must finish within it (its successor waits so long)
@@ -69,6 +71,7 @@ class ParallelSection:
     expert_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     forward_process: bool = False
+    forward_threads: int = 0
     group_timeout_s: float = 30.0
 
 
@@ -157,6 +160,9 @@ class ServiceConfig:
             _positive_int(f"parallel.{key}", getattr(p, key))
         _check(isinstance(p.forward_process, bool), "parallel.forward_process",
                f"must be true or false, got {p.forward_process!r}")
+        _check(isinstance(p.forward_threads, int) and not isinstance(p.forward_threads, bool)
+               and p.forward_threads >= 0, "parallel.forward_threads",
+               f"must be an integer >= 0 (0: this process's thread count), got {p.forward_threads!r}")
         _check(_is_number(p.group_timeout_s) and 0 < p.group_timeout_s <= 3600, "parallel.group_timeout_s",
                f"must be a number of seconds in (0, 3600], got {p.group_timeout_s!r}")
         _choice("memory.kv_cache_dtype", mem.kv_cache_dtype, CACHE_DTYPES)

@@ -99,7 +99,7 @@ class Engine:
         self._tokens = {"prefill": 0, "decode": 0}
         # last: a parallel runner starts worker processes, which nothing after it may leave behind
         self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device) if layout is None
-                       else ParallelRunner(model, self.stages, layout))
+                       else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout)))
         copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
                                    cfg.scheduler.chunked_prefill, copy_slot)
@@ -348,4 +348,13 @@ class Engine:
                 "worker_restarts": getattr(self.runner, "restarts", 0),
                 # per worker rank, summed over steps; empty when the forward runs in this process
                 "rank_forward_seconds": list(getattr(self.runner, "rank_forward_seconds", [])),
-                "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", []))}
+                "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", [])),
+                "rank_resident_bytes": list(getattr(self.runner, "rank_resident_bytes", []))}
+
+
+def _worker_threads(section, layout) -> int:
+    """Torch threads per worker process: ranks share the cores, one each; a lone forward process takes
+    parallel.forward_threads, or (0) as many as this process uses."""
+    if layout.world_size > 1:
+        return 1
+    return section.forward_threads or torch.get_num_threads()

@@ -81,8 +81,9 @@ def weights_bytes(model) -> bytes:
 class WorkerGroup:
     """pp * tp * ep worker processes in one gloo group, started by start(), ended by close() or kill()."""
 
-    def __init__(self, pconfig: ParallelConfig, config, stages: list[ServingStage], weights: bytes):
+    def __init__(self, pconfig: ParallelConfig, config, stages: list[ServingStage], weights: bytes, threads: int = 1):
         self.pconfig, self.config, self.stages, self.weights = pconfig, config, stages, weights
+        self.threads = threads  # torch threads of each rank
         self.answer_rank = answer_rank(pconfig)  # the rank whose pipe brings the logits
         self.pool_bytes: list[int] = [0] * pconfig.world_size  # what each rank allocated, from its "ready"
         self.processes: list = []
@@ -98,13 +99,11 @@ class WorkerGroup:
         context.set_forkserver_preload(["latentmoe_lab.serving.parallel_worker"])
         port = self._store.enter_context(loopback_store(self.pconfig.timeout_s))
         heartbeat = self.pconfig.timeout_s / 4
-        # ranks share the cores, one thread each; a lone forward process gets this process's thread count
-        threads = torch.get_num_threads() if self.pconfig.world_size == 1 else 1
         for rank in range(self.pconfig.world_size):
             ours, theirs = context.Pipe()
             process = context.Process(target=run_worker, name=f"latentmoe-serve-rank{rank}", daemon=True,
                                       args=(rank, self.pconfig, port, self.config, self.stages, self.weights,
-                                            theirs, heartbeat, threads))
+                                            theirs, heartbeat, self.threads))
             process.start()
             theirs.close()
             self.processes.append(process)
@@ -126,9 +125,9 @@ class WorkerGroup:
         return self
 
     def step(self, header: dict, flat: torch.Tensor,
-             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float]]]:
-        """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, every rank's (forward, collective)
-        seconds in rank order); WorkerGroupError on any failure.
+             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float, int]]]:
+        """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, every rank's (forward seconds,
+        collective seconds, resident bytes) in rank order); WorkerGroupError on any failure.
 
         The answer rank sends the logits with its seconds, every other rank its seconds alone, each on its
         own pipe once its part of the step is done; the step returns when all of them have arrived.
@@ -214,16 +213,17 @@ class ParallelRunner(ModelRunner):
     rank before the next step's forward, in order.
     """
 
-    def __init__(self, model, stages: list[ServingStage], pconfig: ParallelConfig):
+    def __init__(self, model, stages: list[ServingStage], pconfig: ParallelConfig, threads: int = 1):
         super().__init__(model, None, stages[0].plan.block_size)
-        self.stages, self.pconfig = stages, pconfig
+        self.stages, self.pconfig, self.threads = stages, pconfig, threads
         self.restarts = 0
         self.restarts_in_a_row = 0  # since the last step that succeeded
         # every rank's forward and collective seconds, summed over steps (across group restarts too)
         self.rank_forward_seconds = [0.0] * pconfig.world_size
         self.rank_collective_seconds = [0.0] * pconfig.world_size
+        self.rank_resident_bytes = [0] * pconfig.world_size  # at each rank's last step
         self._copies: list[tuple[int, int]] = []
-        self.group = WorkerGroup(pconfig, model.config, stages, weights_bytes(model)).start()
+        self.group = WorkerGroup(pconfig, model.config, stages, weights_bytes(model), threads).start()
 
     @property
     def pids(self) -> list[int]:
@@ -242,9 +242,10 @@ class ParallelRunner(ModelRunner):
         self._copies = []
         self.last_build_time = time.monotonic() - start
         logits, finite, seconds = self.group.step(header, flat, features)
-        for rank, (forward, collective) in enumerate(seconds):
+        for rank, (forward, collective, resident) in enumerate(seconds):
             self.rank_forward_seconds[rank] += forward
             self.rank_collective_seconds[rank] += collective
+            self.rank_resident_bytes[rank] = resident
         self.restarts_in_a_row = 0
         return CausalLMOutput(logits=logits, finite=finite)
 
@@ -254,7 +255,8 @@ class ParallelRunner(ModelRunner):
         self._copies = []
         self.restarts += 1
         self.restarts_in_a_row += 1
-        self.group = WorkerGroup(self.pconfig, self.model.config, self.stages, weights_bytes(self.model)).start()
+        self.group = WorkerGroup(self.pconfig, self.model.config, self.stages, weights_bytes(self.model),
+                                 self.threads).start()
 
     def close(self) -> None:
         self.group.close()

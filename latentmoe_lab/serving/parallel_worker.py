@@ -18,7 +18,8 @@ the next step). parallel_runner.WorkerGroup starts pp * tp * ep of them; each
               ForwardBatch's index tensors as one flat int64 tensor, then the image features); every
               rank applies the step's KDA slot copies and runs its part of the forward; the answer rank
               (the first of the last stage) sends back the logits with its forward and collective
-              seconds (parallel/comm.py's timeline), every other rank its seconds alone.
+              seconds (parallel/comm.py's timeline) and its resident memory, every other rank those
+              figures alone.
 
 Every rank sees the same tokens, so each EP rank routes all of them: its All-to-All rows duplicate the
 other rank's, which costs compute but not correctness (each rank gets the complete expert sum).
@@ -84,6 +85,15 @@ def busy_seconds(events) -> float:
         total += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     return total
+
+
+def resident_bytes() -> int:
+    """This process's resident set size in bytes (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def answer_rank(pconfig: ParallelConfig) -> int:
@@ -212,7 +222,8 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
         output = forward(batch, pools)  # None on a pipeline stage before the last
         collective = busy_seconds(comm.timeline)
         comm.timeline.clear()
-        seconds = (time.perf_counter() - start, collective)  # every rank's own, for its rank="r" series
+        # every rank's own seconds, for its rank="r" series, and its resident memory (a soak watches it)
+        seconds = (time.perf_counter() - start, collective, resident_bytes())
         if rank == answer_rank(comm.mesh.pconfig):
             conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds))
         else:
