@@ -24,7 +24,9 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
+from latentmoe_lab.ops.backend import resolve_backend
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
+from latentmoe_lab.ops.kda_decode import kda_decode_step_
 from latentmoe_lab.ops.norms import l2_norm
 from latentmoe_lab.ops.precision import at_least_fp32
 from latentmoe_lab.paged_pools import KDAPool
@@ -40,10 +42,17 @@ SEQUENCE_START_DECAY = -1000.0
 
 
 class KimiDeltaAttention(nn.Module):
-    """KDA token mixer. forward(x [B, T, hidden], cache) -> [B, T, hidden]."""
+    """KDA token mixer. forward(x [B, T, hidden], cache) -> [B, T, hidden].
+
+    paged_decode (attribute): how the paged path runs its decodes, "fused" (default, in place) or
+    "recurrent" (the reference op on a gathered copy); see `_decode_step_`.
+    """
+
+    PAGED_DECODES = ("fused", "recurrent")
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.paged_decode = "fused"
         kda = config.kda
         hidden = config.hidden_size
         self.num_heads = kda.num_heads
@@ -187,9 +196,11 @@ class KimiDeltaAttention(nn.Module):
                        cache, sequence_start) -> torch.Tensor:
         """The varlen forward over batch's S sequences: x [1, total, hidden] -> [1, total, hidden].
 
-        Decodes (one new token) of all sequences run as one [S_dec, 1] recurrent step; each prefill chunk
-        runs the chunked form on its own (a loop over sequences, never over tokens). The same ops with
-        backend="auto" as the contiguous path, so on CUDA the fused kernels run (on gathered states).
+        The slots' states are gathered once into an owned [S, H, d_k, d_v] copy that every step advances in
+        place (zeroed first for fresh sequences) and scattered back once. Decodes (one new token) of all
+        sequences run as one step (`_decode_step_`); each prefill chunk runs the chunked form on its own (a
+        loop over sequences, never over tokens). On CUDA backend="auto" runs the Triton kernels, as in the
+        contiguous path (on the gathered states).
         Kernels that could take slot ids later: latentmoe_kernels.kda's recurrent and state kernels read and
         write one dense [B, H, d_k, d_v] state; given pool.state and state_slot they would update the rows
         in place and drop the gather / scatter here (O(S H d_k d_v) per layer, small next to the step).
@@ -203,26 +214,53 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"x: expected shape [1, total={batch.num_tokens}, hidden], got {tuple(x.shape)}")
         q, k, v, g, beta = self._heads(self._short_conv_paged(self._qkv(x), batch, pool), x)
 
-        slots = batch.state_slot
-        fresh = (batch.context_len == 0)[:, None, None, None]  # a new sequence starts from S = 0, whatever the slot
-        initial = pool.state.index_select(0, slots).masked_fill(fresh, 0.0)  # [S, H, d_k, d_v] fp32
-        final = torch.empty_like(initial)
+        # One gather gives an owned copy of the rows, which every step below advances in place.
+        state = pool.state.index_select(0, batch.state_slot)  # [S, H, d_k, d_v] fp32
+        fresh = batch.context_len == 0  # a new sequence starts from S = 0, whatever the slot held
+        if bool(fresh.any()):
+            state.masked_fill_(fresh[:, None, None, None], 0.0)
         out = v.new_empty(v.shape)
         starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
         decodes = [i for i, n in enumerate(lengths) if n == 1]
         if decodes:
-            seqs = torch.tensor(decodes, device=x.device)
-            tokens = batch.query_start[seqs]  # each decode's one token
-            o, final[seqs] = kda_recurrent(*(t[0, tokens][:, None] for t in (q, k, v, g, beta)),
-                                           initial_state=initial[seqs], output_final_state=True)
-            out[0, tokens] = o[:, 0]
+            tokens = batch.query_start[decodes]  # each decode's one token
+            # The scheduler puts decodes first, so their rows are usually one slice: a view, no copy.
+            as_slice = decodes == list(range(decodes[0], decodes[-1] + 1))
+            rows = state[decodes[0]:decodes[-1] + 1] if as_slice else state[decodes]
+            out[0, tokens] = self._decode_step_(rows, *(t[0, tokens] for t in (q, k, v, g, beta)))
+            if not as_slice:
+                state[decodes] = rows
         for i in (i for i, n in enumerate(lengths) if n > 1):
             span = slice(starts[i], starts[i + 1])
-            o, state = kda_chunked(*(t[:, span] for t in (q, k, v, g, beta)), initial_state=initial[i:i + 1],
+            o, final = kda_chunked(*(t[:, span] for t in (q, k, v, g, beta)), initial_state=state[i:i + 1],
                                    output_final_state=True, chunk_size=self.chunk_size)
-            out[:, span], final[i] = o, state[0]
-        pool.state.index_copy_(0, slots, final.detach())
+            out[:, span] = o
+            state[i] = final[0]
+        pool.state.index_copy_(0, batch.state_slot, state.detach())
         return self._output(out, x)
+
+    def _decode_step_(self, state: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
+        """One token per sequence: state [S, H, d_k, d_v] (owned, advanced in place), q, k, g [S, H, d_k],
+        v [S, H, d_v], beta [S, H] -> o [S, H, d_v].
+
+        paged_decode "fused" runs ops/kda_decode.py's in-place step on the torch backend without gradients;
+        on CUDA (backend "auto" -> Triton, also in place), wherever gradients are needed, and for fp64 tokens
+        it is `kda_recurrent`, as with "recurrent" (the reference, kept for comparisons:
+        tests/test_ops_kda_decode.py, benchmarks/bench_kda_paged_decode.py).
+        """
+        if self.paged_decode not in self.PAGED_DECODES:
+            raise ValueError(f"paged_decode: expected one of {self.PAGED_DECODES}, got {self.paged_decode!r}")
+        inputs = (q, k, v, g, beta)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        # an fp64 model's tokens on the fp32 pool state: the reference's fp32 math, as before the fused step
+        narrowing = state.dtype != torch.float64 and any(t.dtype == torch.float64 for t in inputs)
+        if (self.paged_decode == "fused" and not needs_grad and not narrowing
+                and resolve_backend("auto", *inputs, state) == "torch"):
+            return kda_decode_step_(state, *inputs)
+        o, final = kda_recurrent(*(t[:, None] for t in inputs), initial_state=state, output_final_state=True)
+        if final is not state:  # the Triton kernel already advanced state in place
+            state.copy_(final)
+        return o[:, 0]
 
     def _short_conv_paged(self, qkv: torch.Tensor, batch: ForwardBatch, pool: KDAPool) -> torch.Tensor:
         """The causal conv of `_short_conv` over packed qkv [1, total, channels], per sequence; tails via pool.conv.

@@ -202,13 +202,7 @@ def _validate(
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     if initial_state is not None:
         named["initial_state"] = initial_state
-    for name, tensor in named.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point dtype, got {tensor.dtype}")
-        if tensor.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (that of q), got {tensor.device}")
+    check_float_tensors(named, "q")
 
     layouts = {"q": "[B, T, H, K]", "k": "[B, T, H, K]", "v": "[B, T, H, V]", "g": "[B, T, H, K]"}
     for name, layout in layouts.items():
@@ -230,6 +224,24 @@ def _validate(
         raise ValueError(f"initial_state: expected shape [B, H, K, V] = {(batch, heads, dim_k, dim_v)}, "
                          f"got {tuple(initial_state.shape)}")
 
+    return resolve_scale(scale, dim_k)
+
+
+def check_float_tensors(named: dict, reference: str) -> None:
+    """Every value a floating-point torch.Tensor on the device of named[reference] (errors name the argument)."""
+    for name, tensor in named.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point dtype, got {tensor.dtype}")
+    device = named[reference].device
+    for name, tensor in named.items():
+        if tensor.device != device:
+            raise ValueError(f"{name}: expected device {device} (that of {reference}), got {tensor.device}")
+
+
+def resolve_scale(scale: float | None, dim_k: int) -> float:
+    """The query scale: K ** -0.5 by default, else a finite positive number (ValueError naming `scale`)."""
     if scale is None:
         return dim_k ** -0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:

@@ -22,8 +22,8 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set)")
     serve.add_argument("--threads", type=int, default=None,
-                       help="torch threads of the forward (default: one per core); with parallel.forward_process "
-                            "the forward process gets them and the server keeps one for sampling")
+                       help="torch threads of the forward (default: one per core, or with parallel.forward_process "
+                            "one per core but one, which the server process keeps for its event loop and sampling)")
     serve.set_defaults(func=cmd_serve)
     add_soak_parser(subparsers)
 
@@ -55,20 +55,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _set_threads(config, threads: int | None):
-    """This process's torch threads, and the forward process's: two processes with one OpenMP thread per
-    core each would make every parallel op wait for a descheduled thread (oversubscription)."""
+    """This process's torch threads, and the forward process's. An OpenMP thread per core in a process that
+    shares its cores makes every parallel op wait for a descheduled thread (oversubscription: a 2-thread
+    forward ran 5-10x slower beside a busy server process on 2 cores), so with the forward in its own
+    process the server keeps one core and one thread."""
     import dataclasses
 
     import torch
 
     if threads is not None and threads < 1:
         raise ValueError(f"--threads: must be >= 1, got {threads}")
-    threads = threads or os.cpu_count() or 1
+    cores = os.cpu_count() or 1
     if not config.parallel.forward_process:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads or cores)
         return config
     torch.set_num_threads(1)
-    forward_threads = config.parallel.forward_threads or threads  # the service file's own value wins
+    forward_threads = config.parallel.forward_threads or threads or max(1, cores - 1)  # the file's value wins
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, forward_threads=forward_threads))
 
 
