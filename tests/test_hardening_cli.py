@@ -1,5 +1,6 @@
 """CLI and launcher hardening (issue 12, items 11-13): one-line errors, flags checked before any process
 starts, safe result loading, a loopback-only rendezvous store, and the tie-aware token check."""
+import importlib
 import os
 import subprocess
 import sys
@@ -124,7 +125,6 @@ def test_rendezvous_store_listens_on_loopback_only(start_method):
 
 
 def test_kernels_spawn_and_scripts_fork(monkeypatch):
-    import importlib
     import types
 
     launch_module = importlib.import_module("latentmoe_lab.parallel.launch")  # the package exports launch()
@@ -199,3 +199,37 @@ def test_one_process_batch_change_is_judged_by_the_reference_margin():
     logits = runs.reference_step_logits(model, batched, prompt.shape[1])
     assert logits.shape == (4, 4, model.config.vocab_size)
     assert all(d.is_tie for d in first_differences(batched, alone, logits, prompt.shape[1]))
+
+
+def _run_folder(folder, started, files=()):
+    """A launch's run folder as the ranks leave it: started markers, then results, errors or stack dumps."""
+    folder.mkdir()
+    for rank in started:
+        (folder / f"{rank}.started").write_text("1")
+    for name, text in files:
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_the_failure_report_names_root_causes_before_the_ranks_they_took_down(tmp_path):
+    report = importlib.import_module("latentmoe_lab.parallel.launch")._failure_report  # the package exports launch()
+    folder = _run_folder(tmp_path / "a", [0, 1, 2], [("2.result", "")])
+    assert report(folder, 3, {1: -9}, 30) == ("parallel run failed: rank 1 was killed by SIGKILL without reporting "
+                                              "an error; rank 0 was stopped by the launcher after that failure")
+    folder = _run_folder(tmp_path / "b", [0, 1], [("0.error", "ValueError: bad\ntraceback"),
+                                                  ("1.collateral", "CollectiveError: peer gone\n")])
+    assert report(folder, 2, {0: 1}, 30) == ("parallel run failed: rank 0 raised ValueError: bad; "
+                                             "rank 1 stopped because a peer failed: CollectiveError: peer gone")
+    folder = _run_folder(tmp_path / "c", [0, 1], [("0.collateral", "CollectiveError: peer gone\n")])
+    assert report(folder, 2, {0: 1}, 30) == ("parallel run failed: rank 1 died without reporting an error "
+                                             "(killed or crashed); rank 0 stopped because a peer failed: "
+                                             "CollectiveError: peer gone")
+    dump = ('Timeout (0:00:30)!\nThread 0x00007f01 (most recent call first):\n  File "/x/threading.py", line 9 in run\n'
+            'Thread 0x00007f00 (most recent call first):\n  File "/x/gloo_wait.py", line 3 in connect\n'
+            '  File "/x/mesh.py", line 40 in init_distributed\n  File "/x/work.py", line 7 in worker\n'
+            '  File "/x/launch.py", line 117 in __call__\n')
+    folder = _run_folder(tmp_path / "d", [0, 1], [("0.watchdog", dump), ("1.watchdog", "")])
+    assert report(folder, 2, {0: 1}, 30) == (
+        "parallel run failed: rank 0 was still running after the 30s timeout, in connect (gloo_wait.py:3) <- "
+        "init_distributed (mesh.py:40) <- worker (work.py:7); rank 1 was stopped by the launcher after that failure")
+    assert report(tmp_path / "e", 2, {}, 30) == "parallel run failed: the launcher failed before any rank started"

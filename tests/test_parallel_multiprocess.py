@@ -121,13 +121,73 @@ def _dies_in_a_collective(pid_folder):
 
 def test_a_killed_rank_is_named_within_seconds_and_nothing_is_left(tmp_path):
     start = time.monotonic()
-    with pytest.raises(RankFailure, match="rank 1 died") as failure:
+    with pytest.raises(RankFailure) as failure:
         launch(_dies_in_a_collective, 2, (tmp_path,), timeout_s=30)
     assert time.monotonic() - start < 15
-    assert "rank 0 stopped because a peer failed" in str(failure.value)
+    message = str(failure.value)
+    # Two honest outcomes of one race: gloo sees the closed socket first (rank 0 raises in its collective,
+    # and the agent never reads rank 1's exit code), or the agent sees the SIGKILL first and stops rank 0.
+    seen_by_gloo = "rank 1 died without reporting" in message and "rank 0 stopped because a peer failed" in message
+    seen_by_agent = "rank 1 was killed by SIGKILL" in message and "rank 0 was stopped by the launcher" in message
+    assert seen_by_gloo or seen_by_agent, message
     for pid_file in tmp_path.glob("*.pid"):
         pid = int(pid_file.read_text())
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _hangs_outside_collectives():
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(600)
+    return "done"
+
+
+def test_a_hung_rank_is_stopped_by_its_watchdog_and_the_report_says_where():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        launch(_hangs_outside_collectives, 2, timeout_s=3)
+    assert time.monotonic() - start < 30
+    message = str(failure.value)
+    assert "rank 1 was still running after the 3s timeout, in _hangs_outside_collectives " \
+           "(test_parallel_multiprocess.py:" in message, message
+    assert "rank 0" not in message  # it returned
+
+
+AFTER_FAILED_LAUNCHES = """
+import gc, os, time
+from latentmoe_lab.parallel.launch import RankFailure, launch
+
+def hangs():
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(600)
+
+def fail_and_keep_the_error():
+    try:
+        launch(hangs, 2, timeout_s=1)
+    except RankFailure as error:
+        kept = error  # its traceback refers to this frame: a cycle that only the garbage collector frees
+    return kept
+
+failed = 0
+for attempt in range(4):
+    fail_and_keep_the_error()
+    try:
+        launch(gc.collect, 2, timeout_s=30)
+    except RankFailure as error:
+        failed += 1
+        print(error)
+print("failed launches:", failed)
+"""
+
+
+def test_ranks_forked_after_a_failed_launch_do_not_finalize_its_leftovers():
+    """A failed launch leaves its agent, processes and pipes in reference cycles in the parent. Ranks forked
+    later must not run their destructors: before the fix, 1 or 2 of these 4 launches had a rank segfault
+    in its garbage collector (and in CI one hung there). A fresh interpreter, because pytest's own state
+    changes when the collector runs."""
+    done = subprocess.run([sys.executable, "-c", AFTER_FAILED_LAUNCHES], capture_output=True, text=True,
+                          timeout=180, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "failed launches: 0" in done.stdout, done.stdout[-2000:]
 
 
 def test_cli_runs_a_layout_and_refuses_a_wrong_process_count(capsys):

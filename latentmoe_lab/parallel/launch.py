@@ -11,12 +11,13 @@ Works the same from a notebook, a script, the CLI and the tests. Each worker:
     results are read back with `torch.load(weights_only=True)`: tensors, numbers, strings, None and
     lists / tuples / dicts of them, never arbitrary pickled objects;
   - arms a watchdog (`faulthandler.dump_traceback_later`): a rank stuck outside any collective
-    still exits after `timeout_s`, printing where it was.
+    still exits after `timeout_s`, and RankFailure quotes the innermost frames of where it was.
 The rendezvous store the ranks meet at listens on 127.0.0.1 only (a local run needs no other
 interface, and the store accepts any client that reaches it). When any rank fails, the elastic
 agent behind notebook_launcher stops the others, and `launch` raises `RankFailure` naming the
-rank(s) that died or raised first (a rank that only saw a peer vanish is reported as collateral),
-so no process is left behind and nothing hangs.
+rank(s) that raised, were killed (with the signal) or hung first; a rank that only saw a peer vanish
+is reported as collateral, and one the launcher stopped says so. No process is left behind and
+nothing hangs.
 
 On GPUs use the same worker under `torchrun --nproc-per-node N` or `accelerate launch`
 (see README "Parallel layouts"); `launch` is the local-process convenience.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import io
 import logging
 import os
@@ -102,13 +104,16 @@ class _RankEntry:
         run_dir, timeout_s = self.run_dir, self.timeout_s
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         (run_dir / f"{rank}.started").write_text(str(os.getpid()))
-        faulthandler.dump_traceback_later(timeout_s, exit=True, file=2)  # fd 2: sys.stderr may be captured
+        # The watchdog's stack dump goes to a file of the run, so that RankFailure can say where a stuck
+        # rank was, from a notebook or a CI log alike (a worker's stderr may be captured or lost).
+        stack_file = open(run_dir / f"{rank}.watchdog", "w")  # noqa: SIM115 - open until the process ends
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=stack_file)
         # When a peer fails the launcher sends SIGTERM; a Python-level handler would only run once the
         # rank leaves a blocking C++ wait, so let the signal terminate the process at once.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _wait_for_siblings(run_dir, world, timeout_s)
-        torch.set_num_threads(self.threads)
         try:
+            _wait_for_siblings(run_dir, world, timeout_s)
+            torch.set_num_threads(self.threads)
             result = self.fn(*args)
             torch.save(result, run_dir / f"{rank}.result")
             if dist.is_initialized():
@@ -181,16 +186,16 @@ def launch(fn, nproc: int, args: tuple = (), timeout_s: float = 120.0, start_met
     try:
         elastic_log.setLevel(logging.CRITICAL)  # the agent's own failure dump; RankFailure says it better
         with (_patched_env(OMP_NUM_THREADS=str(threads)), contextlib.redirect_stdout(io.StringIO()),
-              _kept_signal_handlers(), loopback_store(timeout_s) as port):
+              _kept_signal_handlers(), _parent_heap_frozen(), loopback_store(timeout_s) as port):
             _start(_RankEntry(fn, run_dir, timeout_s, threads), args, nproc, port, start_method)
         missing = [r for r in range(nproc) if not (run_dir / f"{r}.result").exists()]
         if missing:
-            raise RankFailure(_failure_report(run_dir, nproc))
+            raise RankFailure(_failure_report(run_dir, nproc, {}, timeout_s))
         return [_load_result(run_dir, r) for r in range(nproc)]
     except (RankFailure, UnsafeResult):
         raise
     except Exception as error:  # noqa: BLE001 - the elastic agent's ChildFailedError and friends
-        raise RankFailure(_failure_report(run_dir, nproc)) from error
+        raise RankFailure(_failure_report(run_dir, nproc, _observed_exit_codes(error), timeout_s)) from error
     finally:
         elastic_log.setLevel(level)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -205,23 +210,99 @@ def _load_result(run_dir: Path, rank: int):
                         f"{str(error).splitlines()[0]}") from None
 
 
-def _failure_report(run_dir: Path, nproc: int) -> str:
-    died, raised, collateral = [], [], []
+def _observed_exit_codes(error: BaseException) -> dict[int, int]:
+    """{rank: exit code} of the ranks the elastic agent saw fail first (its ChildFailedError.failures).
+
+    The agent stops the other ranks after that, so they are absent here. A negative code is a signal.
+    """
+    failures = getattr(error, "failures", None)
+    return {int(rank): int(failure.exitcode) for rank, failure in failures.items()} if failures else {}
+
+
+def _failure_report(run_dir: Path, nproc: int, exit_codes: dict[int, int], timeout_s: float) -> str:
+    """One line per rank that did not return: what it raised, what killed it, or where it was stuck.
+
+    Root causes come first: ranks that raised, then ranks that died on their own. A rank that only saw a
+    peer vanish in a collective is collateral, and one the launcher stopped after a failure says so.
+    """
+    raised, died, stopped, collateral = [], [], [], []
     for r in range(nproc):
         if (run_dir / f"{r}.error").exists():
-            raised.append((r, (run_dir / f"{r}.error").read_text().splitlines()[0]))
+            raised.append(f"rank {r} raised {_first_line(run_dir / f'{r}.error')}")
         elif (run_dir / f"{r}.collateral").exists():
-            collateral.append((r, (run_dir / f"{r}.collateral").read_text().splitlines()[0]))
+            collateral.append(f"rank {r} stopped because a peer failed: {_first_line(run_dir / f'{r}.collateral')}")
         elif (run_dir / f"{r}.started").exists() and not (run_dir / f"{r}.result").exists():
-            died.append(r)
-    why = "was stopped by the launcher after that failure" if raised else \
-        "died without reporting an error (killed, crashed or watchdog timeout)"
-    lines = [f"rank {r} {why}" for r in died]
-    lines = [f"rank {r} raised {message}" for r, message in raised] + lines
-    lines += [f"rank {r} stopped because a peer failed: {message}" for r, message in collateral]
+            stuck_at = _watchdog_frames(run_dir / f"{r}.watchdog")
+            if stuck_at:
+                died.append(f"rank {r} was still running after the {timeout_s:g}s timeout, in {stuck_at}")
+            elif r in exit_codes:
+                died.append(f"rank {r} {_exit_description(exit_codes[r])} without reporting an error")
+            else:
+                stopped.append(r)
+    root_cause_seen = raised or died
+    why = "was stopped by the launcher after that failure" if root_cause_seen else \
+        "died without reporting an error (killed or crashed)"
+    lines = raised + died + [f"rank {r} {why}" for r in stopped] + collateral
     if not lines:
         lines = ["the launcher failed before any rank started"]
     return "parallel run failed: " + "; ".join(lines)
+
+
+def _first_line(path: Path) -> str:
+    return path.read_text().splitlines()[0]
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _watchdog_frames(path: Path, keep: int = 3) -> str:
+    """The innermost frames of the rank's main thread in a faulthandler dump ('' when it did not fire).
+
+    faulthandler writes one block per thread, most recent call first:
+        Thread 0x00007f... (most recent call first):
+          File "/path/module.py", line 12 in function
+    The main thread is the one running this module's `_RankEntry.__call__`.
+    """
+    if not path.exists():
+        return ""
+    threads: list[list[str]] = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if "(most recent call first)" in line:
+            threads.append([])
+        elif line.startswith("File ") and threads:
+            where, _, function = line.partition(" in ")
+            file_name, _, line_no = where.removeprefix("File ").partition(", line ")
+            threads[-1].append(f"{function} ({Path(file_name.strip(chr(34))).name}:{line_no})")
+    if not threads:
+        return ""
+    main = next((frames for frames in threads if any(f.startswith("__call__ (launch.py") for f in frames)), threads[0])
+    return " <- ".join(main[:keep])
+
+
+@contextlib.contextmanager
+def _parent_heap_frozen():
+    """Keep forked ranks from finalizing the parent's objects.
+
+    A forked rank inherits the parent's heap, garbage included. An earlier failed launch leaves its
+    elastic agent, worker processes, pipes and stores in reference cycles until the parent's next
+    collection; when a rank's own garbage collector frees them instead, their C++ destructors act on
+    threads and sockets that exist only in the parent, and the rank segfaults or hangs (seen in CI:
+    both ranks stuck under a deepcopy until the watchdog). So collect in the parent first, then freeze
+    what is left into the permanent generation, which the ranks' collectors never visit.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager
