@@ -1,15 +1,18 @@
-"""Paged KDA decode (issue 13): the in-place fused step against the reference kda_recurrent, in one process.
+"""Paged KDA decode (issue 13): the fused step in place in the pool against the reference, in one process.
 
     .venv/bin/python benchmarks/bench_kda_paged_decode.py            # small preset, 32 running sequences
     .venv/bin/python benchmarks/bench_kda_paged_decode.py --quick    # tiny preset, 8 sequences: the harness
 
-Two figures, both with KimiDeltaAttention.paged_decode "recurrent" (the old path: kda_recurrent on gathered
-copies) against "fused" (ops/kda_decode.py on one owned gather, in place), the two alternating call by
-call so that load spikes on the shared machine hit both alike; each figure is a median:
-  layer   one KDA layer's paged forward for a batch of all-decode sequences (the state [S, H, d_k, d_v]
-          gathered from and scattered back to a KDAPool), the unit the profile of issue 13 pointed at;
-  engine  a whole Engine.step() with every running sequence decoding (as bench_serving.py's overhead bench
-          sets it up), the figure that moves the throughput target.
+Each figure is KimiDeltaAttention.paged_decode "recurrent" (the reference: kda_recurrent on a gathered
+copy of the states, scattered back) against "fused" (ops/kda_decode.py's step on views of the pool's own
+state rows, one per run of consecutive slots: layers/kda_paged.py), the two alternating call by call so
+that load spikes on the shared machine hit both alike; each figure is a median:
+  layer            one KDA layer's paged forward for a batch of all-decode sequences in slots 0..S-1
+                   (one run), the unit the profile of issue 13 pointed at;
+  layer_scattered  the same with the sequences in every other slot (S runs of one: the fused path's worst
+                   case, one small step per sequence);
+  engine           a whole Engine.step() with every running sequence decoding (as bench_serving.py's
+                   overhead bench sets it up), the figure that moves the throughput target.
 Writes benchmarks/bench_kda_paged_decode.json. Random weights (seeded), two torch threads by default.
 """
 from __future__ import annotations
@@ -43,13 +46,14 @@ def alternate(run, steps: int) -> dict[str, float]:
 
 
 @torch.no_grad()
-def bench_layer(config: ModelConfig, seqs: int, steps: int) -> dict:
+def bench_layer(config: ModelConfig, seqs: int, steps: int, slot_stride: int = 1) -> dict:
     layer = KimiDeltaAttention(config).eval()
     g = torch.Generator().manual_seed(1)
-    pool = KDAPool(state=torch.randn(seqs, layer.num_heads, layer.head_dim_k, layer.head_dim_v, generator=g),
-                   conv=torch.randn(seqs, layer.conv_channels, layer.conv_kernel - 1, generator=g))
+    slots = seqs * slot_stride
+    pool = KDAPool(state=torch.randn(slots, layer.num_heads, layer.head_dim_k, layer.head_dim_v, generator=g),
+                   conv=torch.randn(slots, layer.conv_channels, layer.conv_kernel - 1, generator=g))
     batch = ForwardBatch.from_sequences([[0]] * seqs, [100] * seqs, [[i] for i in range(seqs)],
-                                        list(range(seqs)), 128)
+                                        list(range(0, slots, slot_stride)), 128)
     x = torch.randn(1, seqs, config.hidden_size, generator=g)
 
     def run(mode):
@@ -100,11 +104,12 @@ def main() -> None:
     model = LatentMoEForCausalLM(config).eval()
     result = {"machine": machine_info(preset=preset, running=seqs, steps=args.steps)}
     for name, bench in (("layer", lambda: bench_layer(config, seqs, args.steps)),
+                        ("layer_scattered", lambda: bench_layer(config, seqs, args.steps, slot_stride=2)),
                         ("engine", lambda: bench_engine(model, seqs, args.steps))):
         row = bench()
         row["speedup"] = row["recurrent"] / row["fused"]
         result[name] = row
-        print(f"{name:>6}: recurrent {row['recurrent']:.1f} ms, fused {row['fused']:.1f} ms "
+        print(f"{name:>15}: recurrent {row['recurrent']:.1f} ms, fused {row['fused']:.1f} ms "
               f"-> {row['speedup']:.2f}x", flush=True)
     print(f"wrote {write_json(__file__, result)}")
 

@@ -5,6 +5,7 @@ import torch
 from latentmoe_lab import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.kda import KimiDeltaAttention
+from latentmoe_lab.layers.kda_paged import slot_runs
 from latentmoe_lab.ops.kda import kda_recurrent
 from latentmoe_lab.ops.kda_decode import kda_decode_step_
 from latentmoe_lab.ops.norms import l2_norm
@@ -118,17 +119,21 @@ def test_bad_inputs_name_the_argument():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("context_lens,lengths", [([5, 7, 9], [1, 1, 1]),  # all decodes: one slice of rows
-                                                  ([5, 0, 9, 4], [1, 6, 1, 1]),  # decodes not one slice
-                                                  ([0, 3, 0], [1, 1, 5])])  # a fresh one-token prompt
-def test_paged_layer_fused_equals_recurrent(context_lens, lengths):
-    """The layer's paged step with paged_decode "fused" and "recurrent": same outputs, same pool rows."""
+@pytest.mark.parametrize("context_lens,lengths,slots", [
+    ([5, 7, 9], [1, 1, 1], [3, 0, 2]),  # all decodes, slots out of order
+    ([5, 0, 9, 4], [1, 6, 1, 1], [3, 0, 2, 1]),  # decodes not one slice of the batch
+    ([0, 3, 0], [1, 1, 5], [3, 0, 2]),  # a fresh one-token prompt
+    ([3, 2, 5, 0, 4, 6], [1, 1, 1, 3, 1, 1], [4, 5, 0, 1, 2, 7]),  # decode slot runs {0}, {2}, {4, 5}, {7}
+])
+def test_paged_layer_fused_equals_recurrent(context_lens, lengths, slots):
+    """The layer's paged step with paged_decode "fused" (states advanced in place in the pool, by runs of
+    consecutive slots) and "recurrent" (the reference, on a gathered copy): same outputs, same pool rows,
+    and the slots outside the batch untouched."""
     config = ModelConfig.from_preset("tiny")
     layer = KimiDeltaAttention(config).eval()
     gen = torch.Generator().manual_seed(2)
-    slots = [3, 0, 2, 1][:len(lengths)]
-    state = torch.randn(4, layer.num_heads, layer.head_dim_k, layer.head_dim_v, generator=gen)
-    conv = torch.randn(4, layer.conv_channels, layer.conv_kernel - 1, generator=gen)
+    state = torch.randn(8, layer.num_heads, layer.head_dim_k, layer.head_dim_v, generator=gen)
+    conv = torch.randn(8, layer.conv_channels, layer.conv_kernel - 1, generator=gen)
     tokens = [[0] * n for n in lengths]
     batch = ForwardBatch.from_sequences(tokens, context_lens, [[i] for i in range(len(lengths))], slots, 64)
     x = torch.randn(1, sum(lengths), config.hidden_size, generator=gen)
@@ -136,14 +141,33 @@ def test_paged_layer_fused_equals_recurrent(context_lens, lengths):
     for mode in KimiDeltaAttention.PAGED_DECODES:
         layer.paged_decode = mode
         pool = KDAPool(state=state.clone(), conv=conv.clone())
-        results[mode] = (layer(x, batch=batch, pool=pool), pool.state)
-    (fused_out, fused_state), (ref_out, ref_state) = results["fused"], results["recurrent"]
+        results[mode] = (layer(x, batch=batch, pool=pool), pool.state, pool.conv)
+    (fused_out, fused_state, fused_conv), (ref_out, ref_state, ref_conv) = results["fused"], results["recurrent"]
     torch.testing.assert_close(fused_out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_state, ref_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused_conv, ref_conv)
     assert not torch.equal(fused_state[slots], state[slots])  # every slot in the batch advanced
+    others = [s for s in range(8) if s not in slots]
+    assert torch.equal(fused_state[others], state[others]) and torch.equal(fused_conv[others], conv[others])
+
+
+def test_slot_runs_group_members_by_consecutive_slots():
+    assert slot_runs([5, 0, 1, 7], ["a", "b", "c", "d"]) == [(0, ["b", "c"]), (5, ["a"]), (7, ["d"])]
+    assert slot_runs([2, 3, 4], [0, 1, 2]) == [(2, [0, 1, 2])]
+    assert slot_runs([], []) == []
+
+
+@torch.no_grad()
+def test_a_bad_paged_decode_mode_is_refused():
+    config = ModelConfig.from_preset("tiny")
+    layer = KimiDeltaAttention(config).eval()
+    state = torch.zeros(1, layer.num_heads, layer.head_dim_k, layer.head_dim_v)
+    conv = torch.zeros(1, layer.conv_channels, layer.conv_kernel - 1)
+    batch = ForwardBatch.from_sequences([[0]], [0], [[0]], [0], 64)
+    x = torch.randn(1, 1, config.hidden_size)
     layer.paged_decode = "bogus"
     with pytest.raises(ValueError, match="paged_decode: expected one of"):
-        layer(x, batch=batch, pool=KDAPool(state=state.clone(), conv=conv.clone()))
+        layer(x, batch=batch, pool=KDAPool(state=state, conv=conv))
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers import dsa
 from latentmoe_lab.layers.dsa import GatedDSA, _sequence_positions
-from latentmoe_lab.ops.paged_sparse import paged_index_topk, paged_sparse_attention
+from latentmoe_lab.ops.paged_sparse import paged_dense_attention, paged_index_topk, paged_sparse_attention
 from latentmoe_lab.ops.sparse_attention import index_topk, sparse_attention
 from latentmoe_lab.paged_pools import DSAPool, PagedPools
 
@@ -133,7 +133,9 @@ def test_sparse_attention_over_selected_rows_equals_the_gathered_context(block_s
 def test_layer_blocks_equals_gather_on_a_mixed_batch(block_size, key_block, query_block, monkeypatch):
     """GatedDSA's paged forward, paged_reads "blocks" vs "gather": decodes and prefill chunks in one batch.
 
-    Both paths' selections are recorded (in each sequence's own positions) and must be identical.
+    With paged_dense_prefix off every query goes through the indexer: both paths' selections are recorded
+    (in each sequence's own positions) and must be identical. With it on (the default) the outputs still
+    equal the gather path's (test_the_dense_prefix_... checks what it skips).
     """
     selected = {"gather": [], "blocks": []}
 
@@ -155,12 +157,51 @@ def test_layer_blocks_equals_gather_on_a_mixed_batch(block_size, key_block, quer
     batch = _batch(block_size)
     x = torch.randn(1, batch.num_tokens, CONFIG.hidden_size)
     outputs = {}
+    layer.paged_dense_prefix = False
     for reads in ("gather", "blocks"):
         layer.paged_reads = reads
         outputs[reads] = layer(x, batch=batch, pool=_pool(block_size, torch.float32))
     gathered, blockwise = torch.cat(selected["gather"]), torch.cat(selected["blocks"])
     assert gathered.shape == (batch.num_tokens, CONFIG.indexer.topk) and torch.equal(blockwise, gathered)
     torch.testing.assert_close(outputs["blocks"], outputs["gather"], atol=1e-5, rtol=1e-5)
+    layer.paged_dense_prefix = True
+    with_dense_prefix = layer(x, batch=batch, pool=_pool(block_size, torch.float32))
+    torch.testing.assert_close(with_dense_prefix, outputs["gather"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context,new,query_block", [(0, 40, 8), (5, 30, 8), (20, 9, 4), (0, 12, 64), (31, 1, 64)])
+@torch.no_grad()
+def test_the_dense_prefix_covers_exactly_the_queries_that_see_at_most_topk_keys(context, new, query_block,
+                                                                               monkeypatch):
+    """A prefill chunk at context `context`: the queries at positions < topk (32) attend densely, cut at a query
+    block boundary unless the whole chunk qualifies; the indexer scores only the others, and the output equals
+    the indexer-for-all path's."""
+    scored = []
+
+    def record_blocks(*args):
+        scored.append(args[2].clone())  # query_pos
+        return paged_index_topk(*args)
+
+    monkeypatch.setattr(dsa, "paged_index_topk", record_blocks)
+    block_size, topk = 16, CONFIG.indexer.topk
+    layer = GatedDSA(CONFIG, query_block=query_block).eval()
+    blocks = -(-(context + new) // block_size)
+    batch = ForwardBatch.from_sequences([[1] * new], [context], [list(range(blocks))], [0], block_size)
+    pool = _pool(block_size, torch.float32)  # the context's keys: random rows
+    x = torch.randn(1, new, CONFIG.hidden_size, generator=torch.Generator().manual_seed(context + new))
+    outputs = {}
+    for dense_prefix in (False, True):
+        layer.paged_dense_prefix = dense_prefix
+        before = len(scored)
+        outputs[dense_prefix] = layer(x, batch=batch, pool=pool)  # both write the same new keys
+        scored_now = torch.cat([p.flatten() for p in scored[before:]]) if len(scored) > before else torch.empty(0)
+        if dense_prefix:
+            seeing_all = int(((context + torch.arange(new)) < topk).sum())
+            dense = seeing_all if seeing_all == new else seeing_all // query_block * query_block
+            assert scored_now.tolist() == list(range(context + dense, context + new))
+        else:
+            assert scored_now.tolist() == list(range(context, context + new))
+    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-5, rtol=1e-5)
 
 
 def _peak(fn) -> int:
@@ -223,3 +264,32 @@ def test_bad_arguments_name_the_argument():
     layer.paged_reads = "all"
     with pytest.raises(ValueError, match="paged_reads: expected one of"):
         layer(torch.randn(1, batch.num_tokens, CONFIG.hidden_size), batch=batch, pool=pool)
+
+
+@torch.no_grad()
+def test_paged_dense_attention_equals_sparse_attention_over_every_visible_key():
+    """Ragged rows (each its own context, fewer blocks for the shorter ones, scattered tables): dense attention
+    over keys 0..query_pos equals paged_sparse_attention on positions that list exactly those keys."""
+    block_size, value_dim = 7, 16
+    pool = _pool(block_size, torch.float32)
+    read_latent, _ = _readers(pool)
+    query_pos = torch.tensor([[3, 4, 5], [20, 21, 22], [0, 1, 2]])
+    free = list(range(64))
+    random.Random(3).shuffle(free)
+    blocks = [-(-(int(row.max()) + 1) // block_size) for row in query_pos]
+    table = torch.full((3, max(blocks)), -1, dtype=torch.long)
+    for row, count in enumerate(blocks):
+        table[row, :count] = torch.tensor([free.pop() for _ in range(count)])
+    q = torch.randn(3, 3, 4, pool.latent_dim, generator=torch.Generator().manual_seed(5))
+    keys = torch.arange(int(query_pos.max()) + 1)
+    positions = torch.where(keys <= query_pos[..., None], keys, -1)  # [B, T, N]: every visible key, -1 after
+    sparse = paged_sparse_attention(q, positions, table, block_size, read_latent, value_dim, scale=0.3)
+    dense = paged_dense_attention(q, query_pos, table, block_size, read_latent, value_dim, scale=0.3)
+    torch.testing.assert_close(dense, sparse, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="value_dim"):
+        paged_dense_attention(q, query_pos, table, block_size, read_latent, pool.latent_dim + 1, scale=0.3)
+    with pytest.raises(ValueError, match="query_pos: expected shape"):
+        paged_dense_attention(q, query_pos[:, :2], table, block_size, read_latent, value_dim, scale=0.3)
+    with pytest.raises(ValueError, match="past a sequence's last block"):  # row 2 holds one block: positions 0-6
+        paged_dense_attention(q, query_pos + torch.tensor([[0], [0], [5]]), table, block_size, read_latent,
+                              value_dim, scale=0.3)

@@ -31,7 +31,7 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
-from latentmoe_lab.ops.paged_sparse import paged_index_topk, paged_sparse_attention
+from latentmoe_lab.ops.paged_sparse import paged_dense_attention, paged_index_topk, paged_sparse_attention
 from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, index_topk,
                                                 sparse_attention)
 from latentmoe_lab.paged_pools import DSAPool
@@ -97,6 +97,8 @@ class GatedDSA(nn.Module):
     paged_reads (attribute): "blocks" (default) reads the paged pool one key range at a time, so a chunk's
     temporaries do not grow with its context; "gather" copies each sequence's context out first (the
     reference twin, same selection, outputs equal to rounding).
+    paged_dense_prefix (attribute): True (default) lets "blocks" queries that see at most topk keys attend
+    densely without the indexer (it would select every one of them); False sends them through it too.
     """
 
     PAGED_READS = ("blocks", "gather")
@@ -108,6 +110,7 @@ class GatedDSA(nn.Module):
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         self.query_block, self.key_block = query_block, key_block
         self.paged_reads = "blocks"
+        self.paged_dense_prefix = True
         mla = config.mla
         self.hidden_size = config.hidden_size
         self.num_heads = mla.num_heads
@@ -296,14 +299,28 @@ class GatedDSA(nn.Module):
 
     @record_function("attn.dsa.attend")
     def _attend_blocks(self, q, x, c_q, query_pos, block_table, block_size, read_latent, read_index) -> torch.Tensor:
-        """q [B, T, H, kv_lora + rope], x, c_q [B, T, *], query_pos [B, T], block_table [B, max_blocks]
-        -> [B, T, H, kv_lora].
+        """q [B, T, H, kv_lora + rope], x, c_q [B, T, *], query_pos [B, T] (ascending in t) -> [B, T, H, kv_lora].
 
-        Up to key_block queries score each key range together (the pool is read once per tile, not once per
-        query block); attention runs query_block queries at a time, so its gathered rows stay
-        O(query_block x topk). Index queries are projected per query block, as the gather path does, so both
-        paths rank bit-identical scores.
+        The first queries of a chunk may see at most topk keys, all of which the indexer would select: they
+        attend densely (paged_dense_attention) and skip the indexer. The rest score tiles of up to key_block
+        queries against each key range together (the pool is read once per tile, not once per query block),
+        and attend query_block queries at a time, so their gathered rows stay O(query_block x topk). Index
+        queries are projected per query block, as the gather path does (the dense prefix is cut at a query
+        block boundary unless it is the whole call), so both paths rank bit-identical scores.
         """
+        seeing_all = int((query_pos < self.indexer.topk).sum(dim=1).min()) if self.paged_dense_prefix else 0
+        dense = seeing_all if seeing_all == x.shape[1] else seeing_all // self.query_block * self.query_block
+        parts = [paged_dense_attention(q[:, s:min(s + self.query_block, dense)],
+                                       query_pos[:, s:min(s + self.query_block, dense)], block_table, block_size,
+                                       read_latent, self.kv_lora_rank, self.scale)
+                 for s in range(0, dense, self.query_block)]
+        if dense < x.shape[1]:
+            parts.append(self._attend_selected(q[:, dense:], x[:, dense:], c_q[:, dense:], query_pos[:, dense:],
+                                               block_table, block_size, read_latent, read_index))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _attend_selected(self, q, x, c_q, query_pos, block_table, block_size, read_latent, read_index):
+        """`_attend_blocks` for queries that may see more than topk keys: the indexer's top-k, then sparse."""
         starts = range(0, x.shape[1], self.query_block)
         with record_function("attn.dsa.indexer"):
             projected = [self.indexer.queries(x[:, s:s + self.query_block], c_q[:, s:s + self.query_block])

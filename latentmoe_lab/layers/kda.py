@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from latentmoe_lab.cache import KDALayerCache
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
+from latentmoe_lab.layers.kda_paged import advance_gathered, advance_in_pool, short_conv_paged
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
 from latentmoe_lab.ops.backend import resolve_backend
@@ -196,14 +197,13 @@ class KimiDeltaAttention(nn.Module):
                        cache, sequence_start) -> torch.Tensor:
         """The varlen forward over batch's S sequences: x [1, total, hidden] -> [1, total, hidden].
 
-        The slots' states are gathered once into an owned [S, H, d_k, d_v] copy that every step advances in
-        place (zeroed first for fresh sequences) and scattered back once. Decodes (one new token) of all
-        sequences run as one step (`_decode_step_`); each prefill chunk runs the chunked form on its own (a
-        loop over sequences, never over tokens). On CUDA backend="auto" runs the Triton kernels, as in the
-        contiguous path (on the gathered states).
+        The conv tails and states live in the pool's slots (layers/kda_paged.py). paged_decode "fused" on the
+        torch backend without gradients advances the states in place in the pool (`advance_in_pool`);
+        otherwise, and always for "recurrent", on a gathered copy (`advance_gathered`, with
+        `_decode_step_`). On CUDA backend="auto" runs the Triton kernels there, as in the contiguous path.
         Kernels that could take slot ids later: latentmoe_kernels.kda's recurrent and state kernels read and
         write one dense [B, H, d_k, d_v] state; given pool.state and state_slot they would update the rows
-        in place and drop the gather / scatter here (O(S H d_k d_v) per layer, small next to the step).
+        in place and drop the gather / scatter.
         """
         if batch is None or not isinstance(pool, KDAPool):
             raise TypeError(f"batch, pool: the paged path needs a ForwardBatch and a KDAPool, got "
@@ -212,82 +212,36 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("batch: the paged path takes no cache and no sequence_start")
         if x.shape[:2] != (1, batch.num_tokens):
             raise ValueError(f"x: expected shape [1, total={batch.num_tokens}, hidden], got {tuple(x.shape)}")
-        q, k, v, g, beta = self._heads(self._short_conv_paged(self._qkv(x), batch, pool), x)
-
-        # One gather gives an owned copy of the rows, which every step below advances in place.
-        state = pool.state.index_select(0, batch.state_slot)  # [S, H, d_k, d_v] fp32
-        fresh = batch.context_len == 0  # a new sequence starts from S = 0, whatever the slot held
-        if bool(fresh.any()):
-            state.masked_fill_(fresh[:, None, None, None], 0.0)
-        out = v.new_empty(v.shape)
-        starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
-        decodes = [i for i, n in enumerate(lengths) if n == 1]
-        if decodes:
-            tokens = batch.query_start[decodes]  # each decode's one token
-            # The scheduler puts decodes first, so their rows are usually one slice: a view, no copy.
-            as_slice = decodes == list(range(decodes[0], decodes[-1] + 1))
-            rows = state[decodes[0]:decodes[-1] + 1] if as_slice else state[decodes]
-            out[0, tokens] = self._decode_step_(rows, *(t[0, tokens] for t in (q, k, v, g, beta)))
-            if not as_slice:
-                state[decodes] = rows
-        for i in (i for i, n in enumerate(lengths) if n > 1):
-            span = slice(starts[i], starts[i + 1])
-            o, final = kda_chunked(*(t[:, span] for t in (q, k, v, g, beta)), initial_state=state[i:i + 1],
-                                   output_final_state=True, chunk_size=self.chunk_size)
-            out[:, span] = o
-            state[i] = final[0]
-        pool.state.index_copy_(0, batch.state_slot, state.detach())
-        return self._output(out, x)
-
-    def _decode_step_(self, state: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
-        """One token per sequence: state [S, H, d_k, d_v] (owned, advanced in place), q, k, g [S, H, d_k],
-        v [S, H, d_v], beta [S, H] -> o [S, H, d_v].
-
-        paged_decode "fused" runs ops/kda_decode.py's in-place step on the torch backend without gradients;
-        on CUDA (backend "auto" -> Triton, also in place), wherever gradients are needed, and for fp64 tokens
-        it is `kda_recurrent`, as with "recurrent" (the reference, kept for comparisons:
-        tests/test_ops_kda_decode.py, benchmarks/bench_kda_paged_decode.py).
-        """
         if self.paged_decode not in self.PAGED_DECODES:
             raise ValueError(f"paged_decode: expected one of {self.PAGED_DECODES}, got {self.paged_decode!r}")
-        inputs = (q, k, v, g, beta)
+        heads = self._heads(short_conv_paged(self._qkv(x), batch, pool, self.conv.weight[:, 0, :]), x)
+        if self.paged_decode == "fused" and self._fused_decode_applies(pool.state, *heads):
+            out = advance_in_pool(pool, batch, heads, self.chunk_size)
+        else:
+            out = advance_gathered(pool, batch, heads, self.chunk_size, self._decode_step_)
+        return self._output(out, x)
+
+    @staticmethod
+    def _fused_decode_applies(state: torch.Tensor, *inputs: torch.Tensor) -> bool:
+        """ops/kda_decode.py's in-place step can run: torch backend, no gradients, no fp64 tokens on an
+        fp32 state (those keep the reference's fp32 math)."""
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        # an fp64 model's tokens on the fp32 pool state: the reference's fp32 math, as before the fused step
         narrowing = state.dtype != torch.float64 and any(t.dtype == torch.float64 for t in inputs)
-        if (self.paged_decode == "fused" and not needs_grad and not narrowing
-                and resolve_backend("auto", *inputs, state) == "torch"):
+        return not needs_grad and not narrowing and resolve_backend("auto", *inputs, state) == "torch"
+
+    def _decode_step_(self, state: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
+        """One token per sequence on a gathered copy: state [S, H, d_k, d_v] (owned, advanced in place),
+        q, k, g [S, H, d_k], v [S, H, d_v], beta [S, H] -> o [S, H, d_v].
+
+        "fused" runs ops/kda_decode.py's in-place step where `_fused_decode_applies`; on CUDA (backend
+        "auto" -> Triton, also in place), wherever gradients are needed, for fp64 tokens, and with
+        "recurrent" (the reference, kept for comparisons: tests/test_ops_kda_decode.py,
+        benchmarks/bench_kda_paged_decode.py) it is `kda_recurrent`.
+        """
+        inputs = (q, k, v, g, beta)
+        if self.paged_decode == "fused" and self._fused_decode_applies(state, *inputs):
             return kda_decode_step_(state, *inputs)
         o, final = kda_recurrent(*(t[:, None] for t in inputs), initial_state=state, output_final_state=True)
         if final is not state:  # the Triton kernel already advanced state in place
             state.copy_(final)
         return o[:, 0]
-
-    def _short_conv_paged(self, qkv: torch.Tensor, batch: ForwardBatch, pool: KDAPool) -> torch.Tensor:
-        """The causal conv of `_short_conv` over packed qkv [1, total, channels], per sequence; tails via pool.conv.
-
-        Each sequence's kernel-1 tail (zero when context_len is 0) is laid out before its new tokens in one
-        buffer [total + S * (kernel-1), channels]; every token's window then lies inside its own sequence.
-        The last kernel-1 rows of each sequence's stretch become its new tail.
-        """
-        history = self.conv_kernel - 1
-        seqs, total = batch.num_seqs, batch.num_tokens
-        device = qkv.device
-        seq_ids = torch.arange(seqs, device=device)
-        owner = torch.repeat_interleave(seq_ids, batch.query_len)
-        token_at = torch.arange(total, device=device) + history * (owner + 1)  # row of each new token
-        steps = torch.arange(history, device=device)
-        tail_at = (batch.query_start[:-1] + history * seq_ids)[:, None] + steps  # [S, kernel-1]
-        tails = pool.conv.index_select(0, batch.state_slot).to(qkv.dtype)  # [S, channels, kernel-1]
-        tails = tails.masked_fill((batch.context_len == 0)[:, None, None], 0.0)
-
-        rows = qkv.new_zeros(total + seqs * history, self.conv_channels)
-        rows[token_at] = qkv[0]
-        rows[tail_at.flatten()] = rearrange(tails, "s c j -> (s j) c")
-        # Tap j meets the input history - j tokens back; products summed in fp32 (as a conv kernel accumulates).
-        weight = self.conv.weight[:, 0, :].float()  # [channels, kernel]
-        out = sum(rows[token_at - history + j].float() * weight[:, j] for j in range(self.conv_kernel))
-
-        new_tail_at = (batch.query_start[1:] + history * (seq_ids + 1) - history)[:, None] + steps
-        new_tails = rearrange(rows[new_tail_at], "s j c -> s c j")
-        pool.conv.index_copy_(0, batch.state_slot, new_tails.detach().to(pool.conv.dtype))
-        return out.to(qkv.dtype)[None]

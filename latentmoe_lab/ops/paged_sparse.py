@@ -10,6 +10,11 @@ whole pool blocks:
                                   running top-k = best k of (running top-k, I_r)   [B, Q, k]
     attention                     reads only the k selected rows per query        [B, T * k, D]
 
+A query that sees at most k keys (query_pos < k) gets every one of them from the indexer, so its sparse
+attention is dense causal attention: `paged_dense_attention` computes that directly, reading each key
+row once for all such queries instead of once per query, and skips the indexer (GatedDSA routes the
+queries of a chunk that qualify; paged_sparse_attention on index_topk's positions is its twin).
+
 so the indexer holds O(Q x (R + k)) at once (Q, R ~ key_block), whatever the chunk and the context length.
 The selection equals index_topk's on the gathered context exactly, tie rule included: a higher score wins,
 equal scores go to the EARLIER position. It holds because ranges run in ascending position order and the
@@ -28,7 +33,9 @@ from collections.abc import Callable
 
 import torch
 
-from latentmoe_lab.ops.sparse_attention import index_scores, sparse_attention
+from einops import einsum
+
+from latentmoe_lab.ops.sparse_attention import _compute_dtype, _masked_softmax, index_scores, sparse_attention
 
 Reader = Callable[[torch.Tensor], torch.Tensor]
 
@@ -109,6 +116,28 @@ def paged_sparse_attention(q: torch.Tensor, positions: torch.Tensor, block_table
     local = torch.arange(queries * kk, device=q.device).view(queries, kk)
     indices = torch.where(positions >= 0, local, -1)  # query t's rows sit at t * k .. t * k + k - 1
     return sparse_attention(q, keys, keys[..., :value_dim], indices, scale=scale, backend=backend)
+
+
+def paged_dense_attention(q: torch.Tensor, query_pos: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                          read_latent: Reader, value_dim: int, scale: float) -> torch.Tensor:
+    """Absorbed-MLA causal attention over every visible key: query (b, t) attends positions 0 .. query_pos[b, t].
+
+    q [B, T, H, D]; query_pos [B, T] int64 -> [B, T, H, value_dim]. Equal to paged_sparse_attention when the
+    indexer selects every visible key (query_pos < its k), up to the order of the softmax sums. Reads the
+    B x (max(query_pos) + 1) rows once; temporaries O(B x H x T x max(query_pos)).
+    """
+    _check_paged(query_pos, block_table, block_size, q.shape[:2], "q")
+    if not isinstance(value_dim, int) or isinstance(value_dim, bool) or not 0 < value_dim <= q.shape[-1]:
+        raise ValueError(f"value_dim: expected an int in [1, D={q.shape[-1]}], got {value_dim!r}")
+    if q.shape[1] == 0:
+        return q.new_zeros(*q.shape[:3], value_dim)
+    positions = torch.arange(int(query_pos.max()) + 1, device=q.device)  # [N]
+    dtype = _compute_dtype(q)
+    keys = _read(read_latent, block_table, block_size, positions[None].expand(q.shape[0], -1)).to(dtype)  # [B, N, D]
+    visible = positions <= query_pos[..., None]  # [B, T, N]; rows past a short sequence's end are hidden here
+    logits = einsum(q.to(dtype), keys, "b t h d, b n d -> b t h n") * scale
+    probs = _masked_softmax(logits, visible[:, :, None, :])
+    return einsum(probs, keys[..., :value_dim], "b t h n, b n e -> b t h e").to(q.dtype)
 
 
 def _best_first(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""The paged (serving) side of the KDA layer: per-sequence conv tails and recurrent states in pool slots.
+
+A serving step packs S sequences into x [1, total, hidden] (ForwardBatch); each owns one slot of the
+layer's KDAPool: a conv tail pool.conv[slot] [channels, kernel-1] and a state pool.state[slot]
+[H, d_k, d_v] fp32. Decodes (one new token) of many sequences advance together; a prefill chunk runs the
+chunked form on its own (a loop over sequences, never over tokens).
+
+Two ways to advance the states, with the same math:
+  - `advance_gathered`, the reference: index_select the S states into an owned copy, advance it, and
+    index_copy_ it back (two extra passes over every state);
+  - `advance_in_pool`: the fused decode step (ops/kda_decode.py) runs on views of pool.state itself,
+    one per run of consecutive slots, and prefills read and write their own slot row, so no state is
+    copied. A decode step is memory-bound on CPU, so this removes about a third of the layer's traffic
+    (benchmarks/bench_kda_paged_decode.py). tests/test_ops_kda_decode.py compares the two on ragged batches.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from einops import rearrange
+
+from latentmoe_lab.forward_batch import ForwardBatch
+from latentmoe_lab.ops.kda import kda_chunked
+from latentmoe_lab.ops.kda_decode import kda_decode_step_
+from latentmoe_lab.paged_pools import KDAPool
+
+DecodeStep = Callable[..., torch.Tensor]  # (state [R, H, K, V] advanced in place, q, k, v, g, beta) -> o [R, H, V]
+
+
+def short_conv_paged(qkv: torch.Tensor, batch: ForwardBatch, pool: KDAPool, weight: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise conv over packed qkv [1, total, channels], per sequence; tails via pool.conv.
+
+    weight: [channels, kernel]. Each sequence's kernel-1 tail (zero when context_len is 0) is laid out before
+    its new tokens in one buffer [total + S * (kernel-1), channels]; every token's window then lies inside its
+    own sequence. The last kernel-1 rows of each sequence's stretch become its new tail.
+    """
+    channels, kernel = weight.shape
+    history = kernel - 1
+    seqs, total = batch.num_seqs, batch.num_tokens
+    device = qkv.device
+    seq_ids = torch.arange(seqs, device=device)
+    owner = torch.repeat_interleave(seq_ids, batch.query_len)
+    token_at = torch.arange(total, device=device) + history * (owner + 1)  # row of each new token
+    steps = torch.arange(history, device=device)
+    tail_at = (batch.query_start[:-1] + history * seq_ids)[:, None] + steps  # [S, kernel-1]
+    tails = pool.conv.index_select(0, batch.state_slot).to(qkv.dtype)  # [S, channels, kernel-1]
+    tails = tails.masked_fill((batch.context_len == 0)[:, None, None], 0.0)
+
+    rows = qkv.new_zeros(total + seqs * history, channels)
+    rows[token_at] = qkv[0]
+    rows[tail_at.flatten()] = rearrange(tails, "s c j -> (s j) c")
+    # Tap j meets the input history - j tokens back; products summed in fp32 (as a conv kernel accumulates).
+    weight = weight.float()
+    out = sum(rows[token_at - history + j].float() * weight[:, j] for j in range(kernel))
+
+    new_tail_at = (batch.query_start[1:] + history * (seq_ids + 1) - history)[:, None] + steps
+    new_tails = rearrange(rows[new_tail_at], "s j c -> s c j")
+    pool.conv.index_copy_(0, batch.state_slot, new_tails.detach().to(pool.conv.dtype))
+    return out.to(qkv.dtype)[None]
+
+
+def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tensor, ...], chunk_size: int,
+                     decode_step: DecodeStep) -> torch.Tensor:
+    """The reference: gather the S states once, advance the owned copy in place, scatter it back once.
+
+    heads: q, k, g [1, total, H, d_k], v [1, total, H, d_v], beta [1, total, H] -> o [1, total, H, d_v].
+    Works for every backend and with gradients (decode_step chooses the op).
+    """
+    q, k, v, g, beta = heads
+    state = pool.state.index_select(0, batch.state_slot)  # [S, H, d_k, d_v] fp32, an owned copy
+    fresh = batch.context_len == 0  # a new sequence starts from S = 0, whatever the slot held
+    if bool(fresh.any()):
+        state.masked_fill_(fresh[:, None, None, None], 0.0)
+    out = v.new_empty(v.shape)
+    starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
+    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    if decodes:
+        tokens = batch.query_start[decodes]  # each decode's one token
+        # The scheduler puts decodes first, so their rows are usually one slice: a view, no copy.
+        as_slice = decodes == list(range(decodes[0], decodes[-1] + 1))
+        rows = state[decodes[0]:decodes[-1] + 1] if as_slice else state[decodes]
+        out[0, tokens] = decode_step(rows, *(t[0, tokens] for t in heads))
+        if not as_slice:
+            state[decodes] = rows
+    for i in (i for i, n in enumerate(lengths) if n > 1):
+        span = slice(starts[i], starts[i + 1])
+        o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=state[i:i + 1],
+                               output_final_state=True, chunk_size=chunk_size)
+        out[:, span] = o
+        state[i] = final[0]
+    pool.state.index_copy_(0, batch.state_slot, state.detach())
+    return out
+
+
+def advance_in_pool(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tensor, ...],
+                    chunk_size: int) -> torch.Tensor:
+    """`advance_gathered` without the copies: the states are advanced where they live, in pool.state.
+
+    Same shapes. Forward-only (the fused step has no backward) on the torch backend; the layer checks that.
+    """
+    q, k, v, g, beta = heads
+    state = pool.state  # [slots, H, d_k, d_v], contiguous: a slice of rows is a contiguous view
+    slots = batch.state_slot.tolist()
+    for i in (batch.context_len == 0).nonzero().flatten().tolist():
+        state[slots[i]].zero_()  # a new sequence starts from S = 0, whatever the slot held
+    out = v.new_empty(v.shape)
+    starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
+    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    for first_slot, members in slot_runs([slots[i] for i in decodes], decodes):
+        tokens = batch.query_start[members]
+        rows = state[first_slot:first_slot + len(members)]
+        out[0, tokens] = kda_decode_step_(rows, *(t[0, tokens] for t in heads))
+    for i in (i for i, n in enumerate(lengths) if n > 1):
+        span, row = slice(starts[i], starts[i + 1]), state[slots[i]:slots[i] + 1]
+        o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=row, output_final_state=True,
+                               chunk_size=chunk_size)
+        out[:, span] = o
+        row.copy_(final)
+    return out
+
+
+def slot_runs(slots: list[int], members: list[int]) -> list[tuple[int, list[int]]]:
+    """Group members by runs of consecutive slots: [(first slot, members in slot order)], in slot order.
+
+    slots[j] is the slot of members[j] (distinct slots). E.g. slots [5, 0, 1, 7], members [a, b, c, d]
+    -> [(0, [b, c]), (5, [a]), (7, [d])].
+    """
+    runs: list[tuple[int, list[int]]] = []
+    last = None
+    for slot, member in sorted(zip(slots, members)):
+        if last is not None and slot == last + 1:
+            runs[-1][1].append(member)
+        else:
+            runs.append((slot, [member]))
+        last = slot
+    return runs
