@@ -23,12 +23,6 @@ from latentmoe_lab.paged_pools import PagedPools
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
-
-
 def _sequences(lengths: list[int], seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 250, (n,), generator=generator).tolist() for n in lengths]  # text ids only

@@ -2,21 +2,13 @@
 import json
 
 import pytest
-import torch
 
-from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.cli import main
 from latentmoe_lab.profiling import LABELS, label_seconds, load_chrome_trace, trace, validate_chrome_trace
 from latentmoe_lab.profiling.cli import build_step
 from latentmoe_lab.profiling.summary import trace_summary
 
 MODEL_LABELS = set(LABELS)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
 
 
 def test_prefill_trace_has_every_label_and_valid_schema(model, tmp_path):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
+from latentmoe_lab import ModelConfig
 from latentmoe_lab.multimodal import ImageTextProcessor
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.planner import plan_cache
@@ -10,12 +10,6 @@ from latentmoe_lab.serving.planner import plan_cache
 LENGTHS = [1, 2, 7, 15, 16, 17, 31, 33, 64, 65, 100, 127, 150, 200, 255, 300]
 IMAGE_PROMPTS = {3, 9, 14}  # these carry an image (its span is cut by most chunk sizes)
 NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
 
 
 @pytest.fixture(scope="module")

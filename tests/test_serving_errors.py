@@ -2,15 +2,8 @@
 import pytest
 import torch
 
-from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.multimodal import ImageTextProcessor
 from latentmoe_lab.serving import Engine, QueueFullError, SamplingParams, ServiceConfig, StepError
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
 
 
 def make_engine(model, max_batch_size=16):

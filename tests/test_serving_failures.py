@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
+from latentmoe_lab import ModelConfig
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig, StepError
 from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.planner import plan_cache
@@ -12,12 +12,6 @@ from latentmoe_lab.serving.sequence import Sequence
 RETRIES = 2
 NEW_TOKENS = 5
 MAX_STEPS = 200  # a blame that never settles must fail the test, not hang it
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
 
 
 def service(tight: bool = False, **scheduler) -> ServiceConfig:

@@ -8,12 +8,9 @@ import httpx
 import openai
 import psutil
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
-from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.server.threaded import start_service
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
@@ -28,12 +25,6 @@ EP2TP2 = SERVICE | {"parallel": {"tensor_parallel_size": 2, "expert_parallel_siz
 # ragged: one token, under / over a block and a chunk; 1..n prompts share prefixes (prefix cache + KDA snapshots)
 PROMPTS = [list(range(1, 1 + n)) for n in (1, 5, 17, 40, 33, 2, 64)] + [[7, 300, 11, 42, 5, 9, 260, 3, 1]]
 PARAMS = SamplingParams(max_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from latentmoe_lab.config import ModelConfig
-from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.paged_pools import paged_pool_bytes
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.parallel_runner import serving_layout
@@ -30,12 +29,6 @@ IMAGE = torch.rand(3, 56, 56, generator=torch.Generator().manual_seed(3))
 PROMPTS = [list(range(1, 1 + n)) for n in (1, 5, 17, 40, 33, 2, 64)] + [[7, 300, 11, 42, 5, 9, 260, 3, 1]] + [
     {"text": "x" * 30 + "<image>" + "y" * 9, "images": [IMAGE]}]
 PARAMS = SamplingParams(max_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.multimodal import ImageTextProcessor
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.block_manager import BlockManager
@@ -120,12 +119,6 @@ def test_whole_prompt_prefill_without_chunking():
     add(sched, 1, 3)
     batch = sched.schedule()  # the first prefill of a step may overrun the budget; the next waits
     assert [(seq.request_id, n) for seq, n in batch.entries] == [(0, 20)]
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
 
 
 def test_vision_features_are_computed_once_per_request(model):
