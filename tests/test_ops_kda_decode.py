@@ -168,6 +168,31 @@ def test_a_bad_paged_decode_mode_is_refused():
     layer.paged_decode = "bogus"
     with pytest.raises(ValueError, match="paged_decode: expected one of"):
         layer(x, batch=batch, pool=KDAPool(state=state, conv=conv))
+    layer.paged_decode = "fused"
+    shared = ForwardBatch.from_sequences([[0], [0]], [3, 4], [[0], [1]], [0, 0], 64)
+    with pytest.raises(ValueError, match="batch.state_slot: two sequences share a KDA slot"):
+        layer(torch.randn(1, 2, config.hidden_size), batch=shared, pool=KDAPool(state=state, conv=conv))
+
+
+@torch.no_grad()
+def test_a_pool_state_that_is_not_contiguous_takes_the_gathered_path():
+    """Rows of a non-contiguous pool state are not contiguous views: the layer gathers instead, same result."""
+    config = ModelConfig.from_preset("tiny")
+    layer = KimiDeltaAttention(config).eval()
+    gen = torch.Generator().manual_seed(4)
+    shape = (4, layer.num_heads, layer.head_dim_v, layer.head_dim_k)
+    state = torch.randn(*shape, generator=gen).transpose(-1, -2)  # [slots, H, d_k, d_v], not contiguous
+    conv = torch.randn(4, layer.conv_channels, layer.conv_kernel - 1, generator=gen)
+    batch = ForwardBatch.from_sequences([[0], [0], [0]], [2, 5, 3], [[0], [1], [2]], [2, 0, 1], 64)
+    x = torch.randn(1, 3, config.hidden_size, generator=gen)
+    results = []
+    for mode in KimiDeltaAttention.PAGED_DECODES:
+        layer.paged_decode = mode
+        pool = KDAPool(state=state.clone(memory_format=torch.preserve_format), conv=conv.clone())
+        assert not pool.state.is_contiguous()
+        results.append((layer(x, batch=batch, pool=pool), pool.state))
+    for fused, reference in zip(*results):
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

@@ -214,8 +214,12 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"x: expected shape [1, total={batch.num_tokens}, hidden], got {tuple(x.shape)}")
         if self.paged_decode not in self.PAGED_DECODES:
             raise ValueError(f"paged_decode: expected one of {self.PAGED_DECODES}, got {self.paged_decode!r}")
+        if batch.state_slot.unique().numel() != batch.num_seqs:
+            raise ValueError("batch.state_slot: two sequences share a KDA slot (each needs its own state)")
         heads = self._heads(short_conv_paged(self._qkv(x), batch, pool, self.conv.weight[:, 0, :]), x)
-        if self.paged_decode == "fused" and self._fused_decode_applies(pool.state, *heads):
+        # in place needs row slices of pool.state to be contiguous views (kda_decode_step_'s [B*H, K, V] view)
+        if self.paged_decode == "fused" and pool.state.is_contiguous() \
+                and self._fused_decode_applies(pool.state, *heads):
             out = advance_in_pool(pool, batch, heads, self.chunk_size)
         else:
             out = advance_gathered(pool, batch, heads, self.chunk_size, self._decode_step_)
