@@ -293,3 +293,27 @@ def test_paged_dense_attention_equals_sparse_attention_over_every_visible_key():
     with pytest.raises(ValueError, match="past a sequence's last block"):  # row 2 holds one block: positions 0-6
         paged_dense_attention(q, query_pos + torch.tensor([[0], [0], [5]]), table, block_size, read_latent,
                               value_dim, scale=0.3)
+
+
+def test_paged_dense_attention_gradients_equal_its_sparse_twin():
+    """Gradients of q and of the pool's latent rows, fp64, ragged rows (one sequence one block short):
+    the dense form against paged_sparse_attention on positions listing every visible key."""
+    block_size, value_dim, dim = 5, 6, 10
+    g = torch.Generator().manual_seed(11)
+    latent = torch.randn(40, dim, generator=g, dtype=torch.float64, requires_grad=True)  # 8 blocks of 5
+    table = torch.tensor([[6, 1, 3], [2, 7, -1]])
+    query_pos = torch.tensor([[9, 10, 11, 12], [4, 5, 6, 7]])
+    q = torch.randn(2, 4, 3, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 4, 3, value_dim, generator=g, dtype=torch.float64)
+    keys = torch.arange(int(query_pos.max()) + 1)
+    positions = torch.where(keys <= query_pos[..., None], keys, -1)
+    grads = []
+    for attend in (lambda: paged_sparse_attention(q, positions, table, block_size, lambda p: latent[p], value_dim,
+                                                  scale=0.4),
+                   lambda: paged_dense_attention(q, query_pos, table, block_size, lambda p: latent[p], value_dim,
+                                                 scale=0.4)):
+        out = attend()
+        grads.append((out, *torch.autograd.grad(out, (q, latent), upstream)))
+    for dense, sparse in zip(grads[1], grads[0]):
+        torch.testing.assert_close(dense, sparse, atol=1e-12, rtol=1e-10)
+    assert grads[1][2].abs().sum() > 0  # the latent rows do get a gradient

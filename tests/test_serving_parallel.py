@@ -13,31 +13,24 @@ from prometheus_client.parser import text_string_to_metric_families
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.server.threaded import start_service
-from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving import Engine, ServiceConfig
 from latentmoe_lab.serving.parallel_runner import WorkerGroupError
 from latentmoe_lab.parallel.comm import CommEvent
 from latentmoe_lab.serving.parallel_worker import busy_seconds, pack_batch
 
-SERVICE = {"model": {"preset": "tiny", "max_model_len": 256},
-           "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True},
-           "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}}
+from serving_cases import PARAMS, PROMPTS, SERVICE, one_process_tokens, started_engine
+
 EP2TP2 = SERVICE | {"parallel": {"tensor_parallel_size": 2, "expert_parallel_size": 2}}
-# ragged: one token, under / over a block and a chunk; 1..n prompts share prefixes (prefix cache + KDA snapshots)
-PROMPTS = [list(range(1, 1 + n)) for n in (1, 5, 17, 40, 33, 2, 64)] + [[7, 300, 11, 42, 5, 9, 260, 3, 1]]
-PARAMS = SamplingParams(max_tokens=6)
 
 
 @pytest.fixture(scope="module")
 def reference(model):
-    outputs = Engine(model, ServiceConfig.from_dict(SERVICE)).generate(PROMPTS, PARAMS, use_tqdm=False)
-    return [o.token_ids for o in outputs]
+    return one_process_tokens(model, PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = Engine(model, ServiceConfig.from_dict(EP2TP2))
-    yield engine
-    engine.close()
+    yield from started_engine(model, EP2TP2["parallel"])
 
 
 def test_ep2tp2_greedy_equals_one_process(engine, reference):

@@ -12,36 +12,30 @@ import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.paged_pools import paged_pool_bytes
-from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving import Engine, ServiceConfig
 from latentmoe_lab.serving.parallel_runner import serving_layout
 from latentmoe_lab.serving.pipeline_stage import plan_stages
 from latentmoe_lab.serving.planner import plan_cache
 from latentmoe_lab.serving.service_plan import stage_config
 
-SERVICE = {"model": {"preset": "tiny", "max_model_len": 256},
-           "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True},
-           "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}}
+from serving_cases import PARAMS, SERVICE, one_process_tokens, started_engine
+from serving_cases import PROMPTS as BASE_PROMPTS
+
 PP2 = SERVICE | {"parallel": {"pipeline_parallel_size": 2}}
 PP2TP2 = SERVICE | {"parallel": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}}
-# ragged: one token, under / over a block and a chunk (32: chunked prefills); shared prefixes (prefix hits);
 # an image whose 4 placeholders straddle the first chunk's end (stage 0 merges its features)
 IMAGE = torch.rand(3, 56, 56, generator=torch.Generator().manual_seed(3))
-PROMPTS = [list(range(1, 1 + n)) for n in (1, 5, 17, 40, 33, 2, 64)] + [[7, 300, 11, 42, 5, 9, 260, 3, 1]] + [
-    {"text": "x" * 30 + "<image>" + "y" * 9, "images": [IMAGE]}]
-PARAMS = SamplingParams(max_tokens=6)
+PROMPTS = BASE_PROMPTS + [{"text": "x" * 30 + "<image>" + "y" * 9, "images": [IMAGE]}]
 
 
 @pytest.fixture(scope="module")
 def reference(model):
-    outputs = Engine(model, ServiceConfig.from_dict(SERVICE)).generate(PROMPTS, PARAMS, use_tqdm=False)
-    return [o.token_ids for o in outputs]
+    return one_process_tokens(model, PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = Engine(model, ServiceConfig.from_dict(PP2))
-    yield engine
-    engine.close()
+    yield from started_engine(model, PP2["parallel"])
 
 
 def check_rank_figures(engine, world: int) -> None:
