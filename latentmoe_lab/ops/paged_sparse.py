@@ -10,17 +10,17 @@ whole pool blocks:
                                   running top-k = best k of (running top-k, I_r)   [B, Q, k]
     attention                     reads only the k selected rows per query        [B, T * k, D]
 
-A query that sees at most k keys (query_pos < k) gets every one of them from the indexer, so its sparse
-attention is dense causal attention: `paged_dense_attention` computes that directly, reading each key
-row once for all such queries instead of once per query, and skips the indexer (GatedDSA routes the
-queries of a chunk that qualify; paged_sparse_attention on index_topk's positions is its twin).
-
 so the indexer holds O(Q x (R + k)) at once (Q, R ~ key_block), whatever the chunk and the context length.
 The selection equals index_topk's on the gathered context exactly, tie rule included: a higher score wins,
 equal scores go to the EARLIER position. It holds because ranges run in ascending position order and the
 merge keeps what a stable sort of [running best-first | new range ascending] keeps first: every running
 entry sits before every new one and has an earlier position, and running entries of equal score are
 already in position order.
+
+A query that sees at most k keys (query_pos < k) gets every one of them from the indexer, so its sparse
+attention is dense causal attention: `paged_dense_attention` computes that directly, reading each key
+row once for all such queries instead of once per query, and skips the indexer (GatedDSA routes the
+queries of a chunk that qualify; paged_sparse_attention on index_topk's positions is its twin).
 
 Shapes: B sequences, T queries per sequence, HI/DI indexer heads/dim, H heads, D key dim, DV value dim.
 `query_pos` [B, T] is each query's position in its own sequence (it sees keys 0 .. query_pos).
@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
 from einops import einsum
 
 from latentmoe_lab.ops.sparse_attention import _compute_dtype, _masked_softmax, index_scores, sparse_attention
