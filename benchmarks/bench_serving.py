@@ -134,9 +134,12 @@ def bench_overhead(model, scale, g):
             "mean_step_ms": 1e3 * sum(s.duration for s in decode_steps) / len(decode_steps)}
 
 
-def bench_memory(model, scale, g):
+MEMORY_LENGTHS = (65536, 131072)
+
+
+def bench_memory(model, scale, g, lengths=MEMORY_LENGTHS):
     out = {}
-    for length in (65536 // scale, 131072 // scale):
+    for length in (n // scale for n in lengths):
         engine = Engine(model, service(length + 16, chunk=512, max_num_seqs=1, cache_bytes=(length + 1024) * 4096))
         engine.add_request(random_prompts(g, 1, length, length)[0], SamplingParams(max_tokens=1))
         with PeakMemory() as memory:
@@ -146,7 +149,9 @@ def bench_memory(model, scale, g):
                             "pool_mib": engine.plan.total_bytes / 2**20}
         print("memory", length, out[str(length)], flush=True)  # a run cut short keeps the first length
     lengths = list(out)
-    return out | {"peak_ratio_long_over_short": out[lengths[1]]["peak_mib_beyond_pools"]
+    if len(lengths) < 2:  # one length per run (--memory-lengths): the ratio is taken across runs
+        return out
+    return out | {"peak_ratio_long_over_short": out[lengths[-1]]["peak_mib_beyond_pools"]
                   / out[lengths[0]]["peak_mib_beyond_pools"]}
 
 
@@ -184,6 +189,8 @@ def main() -> None:
     parser.add_argument("--preset", default=None, help="model preset (default: small; tiny with --quick)")
     parser.add_argument("--scale", type=int, default=None, help="divide every size by this (default 1; 8 with --quick)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/bench_serving.json)")
+    parser.add_argument("--memory-lengths", type=int, nargs="+", default=list(MEMORY_LENGTHS),
+                        help="prompt lengths of the memory benchmark (default 65536 131072)")
     args = parser.parse_args()
     apply_threads(args)
     scale = args.scale or (8 if args.quick else 1)
@@ -194,7 +201,8 @@ def main() -> None:
     result = {"machine": machine_info(preset=preset, scale=scale)}
     for name in args.only or list(BENCHES):
         start = time.perf_counter()
-        result[name] = BENCHES[name](model, scale, torch.Generator().manual_seed(1))
+        extra = {"lengths": args.memory_lengths} if name == "memory" else {}
+        result[name] = BENCHES[name](model, scale, torch.Generator().manual_seed(1), **extra)
         result[name]["wall_s"] = time.perf_counter() - start
         print(name, result[name], flush=True)
         path = write_json(__file__, result, args.out)  # after each benchmark, so a run cut short keeps what it measured
