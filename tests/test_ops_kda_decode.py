@@ -213,3 +213,30 @@ def test_paged_layer_in_fp64_keeps_the_fp32_pool_state():
     assert results[0][1].dtype == torch.float32 and not torch.equal(results[0][1], state)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_paged_layer_gradients_equal_the_contiguous_layer():
+    """With gradients the paged layer takes the gathered path (kda_recurrent for a one-token prompt, the chunked
+    form past one chunk: lengths 1, 20, 37 at chunk 16); x and every parameter get the gradients of the
+    contiguous layer run on each sequence alone. Gates are the layer's own (its default forget gate)."""
+    config = ModelConfig.from_preset("tiny")
+    layer = KimiDeltaAttention(config)
+    gen = torch.Generator().manual_seed(6)
+    lengths = [1, 20, 37]
+    x = torch.randn(1, sum(lengths), config.hidden_size, generator=gen, requires_grad=True)
+    upstream = torch.randn(1, sum(lengths), config.hidden_size, generator=gen)
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    batch = ForwardBatch.from_sequences([[0] * n for n in lengths], [0] * 3, [[i] for i in range(3)], [2, 0, 1], 64)
+    pool = KDAPool(state=torch.zeros(3, layer.num_heads, layer.head_dim_k, layer.head_dim_v),
+                   conv=torch.zeros(3, layer.conv_channels, layer.conv_kernel - 1))
+    paged = layer(x, batch=batch, pool=pool)
+    paged_grads = torch.autograd.grad(paged, [x, *params], upstream)
+
+    starts = [0, 1, 21, 58]
+    alone = torch.cat([layer(x[:, a:b]) for a, b in zip(starts, starts[1:])], dim=1)
+    alone_grads = torch.autograd.grad(alone, [x, *params], upstream)
+    torch.testing.assert_close(paged, alone, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(paged_grads, alone_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert paged_grads[0].abs().sum() > 0 and all(g.abs().sum() > 0 for g in paged_grads[1:4])

@@ -245,7 +245,10 @@ class KimiDeltaAttention(nn.Module):
         inputs = (q, k, v, g, beta)
         if self.paged_decode == "fused" and self._fused_decode_applies(state, *inputs):
             return kda_decode_step_(state, *inputs)
-        o, final = kda_recurrent(*(t[:, None] for t in inputs), initial_state=state, output_final_state=True)
+        # with gradients kda_recurrent may save its initial state, which the copy_ below overwrites
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        o, final = kda_recurrent(*(t[:, None] for t in inputs), initial_state=state.clone() if needs_grad else state,
+                                 output_final_state=True)
         if final is not state:  # the Triton kernel already advanced state in place
             state.copy_(final)
         return o[:, 0]

@@ -83,10 +83,13 @@ def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tens
         out[0, tokens] = decode_step(rows, *(t[0, tokens] for t in heads))
         if not as_slice:
             state[decodes] = rows
+    # With gradients the op may save its initial state for backward; `state[i] = ...` below writes that memory.
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in heads)
     for i in (i for i, n in enumerate(lengths) if n > 1):
         span = slice(starts[i], starts[i + 1])
-        o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=state[i:i + 1],
-                               output_final_state=True, chunk_size=chunk_size)
+        initial = state[i:i + 1].clone() if needs_grad else state[i:i + 1]
+        o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=initial, output_final_state=True,
+                               chunk_size=chunk_size)
         out[:, span] = o
         state[i] = final[0]
     pool.state.index_copy_(0, batch.state_slot, state.detach())
