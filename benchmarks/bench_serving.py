@@ -8,14 +8,15 @@ throughput  32 requests (prompts 64-512, 64 new tokens): engine generated tokens
             each prompt in turn (target >= 5x), the engine at two step budgets (prefill_chunk_size): 512, the
             latency setting of the other benchmarks, and 2048, a throughput setting (the budget vLLM's V1
             engine typically runs chunked prefill with): fewer, fuller prefill steps, so the last prompt
-            starts decoding sooner.
+            starts decoding sooner. Also the engine at budget 512 with scheduler.batch_invariant: its cost.
 long        one 16k-token prompt arriving with 8 short ones: the short requests' p99 TTFT with
             prefill_chunk_size 512 against whole-prompt prefill (chunked_prefill false, same budget: the long
             prompt runs whole in one step; target >= 5x lower), and the long one's e2e (target within 1.3x).
 prefix      16 requests sharing a 2k-token prefix (one first, then 15): prefill tokens computed, mean TTFT of
             the 15 and the outputs, prefix caching on against off (targets >= 80% fewer tokens, >= 3x TTFT,
-            identical outputs). A request whose outputs differ is also served alone, to tell which run
-            moved it (the engine is not bitwise batch-invariant: see RESULTS.md).
+            identical outputs), both with scheduler.batch_invariant (serving/invariance.py): without it the
+            off run's budget-cut chunks round differently and flip near-tied greedy picks of the random
+            model. A request whose outputs differ is also served alone, to tell which run moved it.
 overhead    32 running sequences decoding: scheduler + ForwardBatch metadata time as a share of step time
             (target <= 10%).
 memory      64k- and 128k-token prompts prefilled in chunks of 512: peak tensor memory allocated during the
@@ -44,12 +45,13 @@ from common import apply_threads, machine_info, make_parser, write_json
 
 
 def service(max_model_len, chunk=512, chunked=True, prefix=False, max_num_seqs=32, cache_bytes=256 << 20,
-            block=64):
+            block=64, invariant=False):
     return ServiceConfig.from_dict({
         "model": {"max_model_len": max_model_len},
         "memory": {"cache_bytes": cache_bytes, "block_size": block, "max_num_seqs": max_num_seqs,
                    "enable_prefix_caching": prefix},
-        "scheduler": {"prefill_chunk_size": chunk, "chunked_prefill": chunked, "max_batch_size": 256}})
+        "scheduler": {"prefill_chunk_size": chunk, "chunked_prefill": chunked, "max_batch_size": 256,
+                      "batch_invariant": invariant}})
 
 
 def random_prompts(g, count, low, high):
@@ -61,19 +63,21 @@ def bench_throughput(model, scale, g):
     prompts = random_prompts(g, 32 // scale, 64 // scale, 512 // scale)
     new = 64 // scale
     runs = {}
-    for budget in (512 // scale, 2048 // scale):
-        engine = Engine(model, service(1024, chunk=budget))
+    # the batch-invariant run keeps budget 512 at every scale: it needs two of the model's chunk grid (64)
+    for budget, invariant in ((512 // scale, False), (2048 // scale, False), (512, True)):
+        engine = Engine(model, service(1024, chunk=budget, invariant=invariant))
         start = time.perf_counter()
         outputs = engine.generate(prompts, SamplingParams(max_tokens=new), use_tqdm=False)
-        runs[budget] = (time.perf_counter() - start, [o.token_ids for o in outputs], engine.stats()["steps"])
+        name = f"{budget} batch_invariant" if invariant else str(budget)
+        runs[name] = (time.perf_counter() - start, [o.token_ids for o in outputs], engine.stats()["steps"])
     start = time.perf_counter()
     reference = [model.generate(torch.tensor([p]), new)[0, len(p):].tolist() for p in prompts]
     sequential_s = time.perf_counter() - start
     tokens = sum(len(ids) for ids in reference)
     return {"requests": len(prompts), "new_tokens": new, "sequential_tokens_per_s": tokens / sequential_s,
-            "budgets": {str(budget): {"engine_tokens_per_s": sum(map(len, outputs)) / engine_s,
-                                      "speedup": sequential_s / engine_s,
-                                      "steps": steps, "outputs_equal": outputs == reference}
+            "budgets": {budget: {"engine_tokens_per_s": sum(map(len, outputs)) / engine_s,
+                                 "speedup": sequential_s / engine_s,
+                                 "steps": steps, "outputs_equal": outputs == reference}
                         for budget, (engine_s, outputs, steps) in runs.items()}}
 
 
@@ -100,7 +104,7 @@ def bench_prefix(model, scale, g):
     prompts = [shared + suffix for suffix in random_prompts(g, 16, 16, 16)]
     results = {}
     for prefix in (False, True):
-        engine = Engine(model, service(4096, prefix=prefix))
+        engine = Engine(model, service(4096, prefix=prefix, invariant=True))
         first = engine.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)
         rest = engine.generate(prompts[1:], SamplingParams(max_tokens=8), use_tqdm=False)
         results["on" if prefix else "off"] = {
@@ -110,7 +114,7 @@ def bench_prefix(model, scale, g):
     on, off = results["on"], results["off"]
     # a request whose outputs differ is served alone (prefix caching off): which run changed it
     differ = [i for i, (a, b) in enumerate(zip(on["outputs"], off["outputs"])) if a != b]
-    alone = {i: Engine(model, service(4096)).generate([prompts[i]], SamplingParams(max_tokens=8),
+    alone = {i: Engine(model, service(4096, invariant=True)).generate([prompts[i]], SamplingParams(max_tokens=8),
                                                       use_tqdm=False)[0].token_ids for i in differ}
     return {"shared_prefix": len(shared), "prefill_tokens_off": off["prefill_tokens"],
             "prefill_tokens_on": on["prefill_tokens"], "hit_tokens": on["hit_tokens"],

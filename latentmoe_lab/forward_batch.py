@@ -19,10 +19,13 @@ continues from `context_len` tokens already in the paged pools (latentmoe_lab/pa
     image_mask     [total] bool | None  which new tokens take image_features (M of them, in order). None with
                                    features given means every token whose id is the image placeholder id. Pass
                                    it when a generated token may equal that id (it must keep its embedding).
+    decode         [S] bool | None which one-token sequences advance as decodes (KDA's recurrent step, DSA's
+                                   batched decode); the rest, prompt chunks of any length, take the
+                                   chunked forms. None: every one-token sequence (the runner passes it, so
+                                   that a prompt's last token after a prefix hit sums as in a whole prompt)
 
-All index tensors are int64 on the model's device. A decode is a sequence with one new token; every
-sequence has at least one new token. The model returns logits [S, vocab] fp32, one row per sequence at
-its last new token (see LatentMoEForCausalLM.forward).
+All index tensors are int64 on the model's device. Every sequence has at least one new token. The model
+returns logits [S, vocab] fp32, one row per sequence at its last new token (see LatentMoEForCausalLM.forward).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class ForwardBatch:
     block_size: int
     image_features: torch.Tensor | None = None
     image_mask: torch.Tensor | None = None
+    decode: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -57,6 +61,16 @@ class ForwardBatch:
     def query_len(self) -> torch.Tensor:
         """[S]: new tokens per sequence."""
         return self.query_start[1:] - self.query_start[:-1]
+
+    def decode_indices(self) -> list[int]:
+        """The sequences that advance as decodes: one new token and `decode` (default True)."""
+        flags = [True] * self.num_seqs if self.decode is None else self.decode.tolist()
+        return [i for i, (n, flag) in enumerate(zip(self.query_len.tolist(), flags)) if n == 1 and flag]
+
+    def chunk_indices(self) -> list[int]:
+        """The other sequences: prompt chunks (of any length), each run through the chunked forms."""
+        decodes = set(self.decode_indices())
+        return [i for i in range(self.num_seqs) if i not in decodes]
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -125,9 +139,13 @@ class ForwardBatch:
             raise TypeError("batch.input_ids: expected an int64 tensor [1, total]")
         if not isinstance(self.emit, torch.Tensor) or self.emit.dtype != torch.bool:
             raise TypeError("batch.emit: expected a bool tensor [S]")
+        if self.decode is not None and (not isinstance(self.decode, torch.Tensor) or self.decode.dtype != torch.bool):
+            raise TypeError("batch.decode: expected a bool tensor [S] or None")
         seqs, total = self.context_len.shape[0], self.input_ids.shape[-1]
         shapes = {"input_ids": (1, total), "positions": (total,), "query_start": (seqs + 1,), "context_len": (seqs,),
                   "state_slot": (seqs,), "slot_mapping": (total,), "emit": (seqs,)}
+        if self.decode is not None:
+            shapes["decode"] = (seqs,)
         for name, shape in shapes.items():
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"batch.{name}: expected shape {shape}, got {tuple(getattr(self, name).shape)}")

@@ -10,6 +10,7 @@ Block i (pre-norm residual):
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -88,6 +89,14 @@ class LatentMoEForCausalLM(nn.Module):
 
     def new_cache(self) -> HybridCache:
         return HybridCache(self.config)
+
+    def chunk_grid(self) -> int:
+        """Where a prompt chunk may end and leave every sum of the forward in the order of a whole prompt: the
+        lcm of the KDA layers' chunk size and the DSA layers' query block (batch-invariant serving)."""
+        grid = 1
+        for block in self.layers:
+            grid = math.lcm(grid, block.attn.chunk_size if block.attention_type == KDA else block.attn.query_block)
+        return grid
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when config.tie_word_embeddings (again after an empty-weights build,

@@ -21,7 +21,8 @@
 # 2. chunked prefill: peak memory as the chunk size changes;
 # 3. what grows with context (DSA blocks) and what does not (the KDA state);
 # 4. one engine run whose steps mix prefills and decodes, as a timeline;
-# 5. preemption when blocks run out, and prefix hits that skip recomputation;
+# 5. preemption when blocks run out, prefix hits that skip recomputation, and logits that are bit for bit
+#    independent of the batch;
 # 6. the full-scale table: one 1M-token sequence in bf16 and fp8 against the public GQA example;
 # 7. why the indexer cache must be counted.
 #
@@ -187,6 +188,51 @@ for prefix in (False, True):
     print(f"prefix caching {'on ' if prefix else 'off'}: {stats['prefill_tokens']:>6} prefill tokens computed, "
           f"{stats['prefix_hit_tokens']:>6} taken from the cache, mean TTFT of the 7 followers "
           f"{sum(o.metrics.ttft for o in rest) / len(rest) * 1e3:.0f} ms")
+
+# %% [markdown]
+# ### Bit for bit
+#
+# Equal greedy outputs are one thing; equal logits are another. In fp32 a request's logits move by an ulp
+# or so with its company: the KDA chunked form sums in an order set by where each chunk starts, and the
+# CPU's matrix products round a row by the shape of the whole batch (a product of 1, 2 or 3 rows takes
+# another kernel than one of 16). A random model's nearly flat logits turn such an ulp into another greedy
+# token now and then. `scheduler.batch_invariant` removes all three causes (docs/design.md §6.5): chunks
+# end on the model's chunk grid, every product is padded to at least 16 rows and columns, and the
+# activations are forms whose bits do not depend on an element's place in the tensor. Below, one prompt is
+# served alone and then last in a busy batch at a smaller budget; what changes in the logits it samples from?
+
+# %%
+def sampled_logits(engine, prompts, params):
+    """{(prompt index, position): the logits row a token was sampled from}, serving prompts together."""
+    rows, index_of = {}, {tuple(p): i for i, p in enumerate(prompts)}
+    run = engine.runner.run
+
+    def record(batch):
+        out = run(batch)
+        for (seq, n), emits, row in zip(batch.entries, batch.emits(), out.logits):
+            if emits:
+                rows[(index_of[tuple(seq.prompt_ids)], seq.num_computed + n - 1)] = row.clone()
+        return out
+
+    engine.runner.run = record
+    engine.generate(prompts, params, use_tqdm=False)
+    return rows
+
+
+def invariant_service(chunk, invariant):
+    cfg = service(chunk=chunk, block=64)
+    cfg.scheduler.batch_invariant = invariant
+    return cfg
+
+
+crowd = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+         for n in (300, 2, 130, 77, 190, 12)]
+target = prompts[-1]
+for invariant in (False, True):
+    alone = sampled_logits(Engine(model, invariant_service(512, invariant)), [target], params)
+    busy = sampled_logits(Engine(model, invariant_service(128, invariant)), crowd + [target], params)
+    worst = max(float((busy[(len(crowd), pos)] - row).abs().max()) for (_, pos), row in alone.items())
+    print(f"batch_invariant {str(invariant):5}: largest |logit change| over {len(alone)} sampled rows = {worst:.2e}")
 
 # %% [markdown]
 # ## 6. The full-scale table: one 1M-token sequence

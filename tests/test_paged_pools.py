@@ -172,6 +172,8 @@ def _batch(**changes):
     ({}, dict(block_size=64), "batch.block_size: 16 differs from the pools' 64"),
     (dict(image_features=torch.zeros(1, 64)), {}, "batch.image_features: has 1 rows for 0 image placeholder"),
     (dict(image_mask=torch.zeros(4, dtype=torch.bool)), {}, "batch.image_mask: given without"),
+    (dict(decode=torch.tensor([0, 1])), {}, "batch.decode: expected a bool tensor"),
+    (dict(decode=torch.tensor([True])), {}, "batch.decode: expected shape \\(2,\\)"),
 ])
 def test_bad_batches_are_refused_before_anything_is_written(model, changes, pools_kwargs, match):
     pools = PagedPools(model.config, **(dict(num_blocks=4, block_size=16, num_slots=2) | pools_kwargs))

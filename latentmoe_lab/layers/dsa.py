@@ -31,6 +31,7 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
+from latentmoe_lab.ops.activations import sigmoid
 from latentmoe_lab.ops.paged_sparse import paged_dense_attention, paged_index_topk, paged_sparse_attention
 from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, index_topk,
                                                 sparse_attention)
@@ -172,7 +173,7 @@ class GatedDSA(nn.Module):
 
     def _gated_output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """attn [B, T, H, v] -> W_o [attn * sigmoid(W_g x)] [B, T, hidden]."""
-        gate = torch.sigmoid(rearrange(self.w_gate(x), "b t (h d) -> b t h d", h=self.num_heads))
+        gate = sigmoid(rearrange(self.w_gate(x), "b t (h d) -> b t h d", h=self.num_heads))
         return self.wo(rearrange(attn * gate, "b t h d -> b t (h d)"))
 
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,14 +284,14 @@ class GatedDSA(nn.Module):
         starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
         reads = (batch.block_size, partial(pool.latent_format.read, pool.latent),
                  partial(pool.index_format.read, pool.index))
-        decodes = [i for i, n in enumerate(lengths) if n == 1]
+        decodes = batch.decode_indices()
         for group in _decode_groups(decodes, batch.context_len.tolist()):
             seqs = torch.tensor(group, device=x.device)
             tokens = batch.query_start[seqs]
             one = (q[0, tokens][:, None], x[0, tokens][:, None], c_q[0, tokens][:, None])  # [S_dec, 1, *] each
             attn[0, tokens] = self._attend_blocks(*one, batch.context_len[seqs][:, None], batch.block_table[seqs],
                                                   *reads)[:, 0]
-        for i in (i for i, n in enumerate(lengths) if n > 1):
+        for i in batch.chunk_indices():
             span = slice(starts[i], starts[i + 1])
             query_pos = (batch.context_len[i] + torch.arange(lengths[i], device=x.device))[None]
             attn[:, span] = self._attend_blocks(q[:, span], x[:, span], c_q[:, span], query_pos,
@@ -336,7 +337,7 @@ class GatedDSA(nn.Module):
         """The paged attention [1, total, H, kv_lora] over each sequence's context copied out of the pool."""
         attn = q_nope.new_empty(*q_nope.shape[:3], self.kv_lora_rank)  # [1, total, H, kv_lora]
         starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
-        decodes = [i for i, n in enumerate(lengths) if n == 1]
+        decodes = batch.decode_indices()
         for group in _decode_groups(decodes, batch.context_len.tolist()):
             seqs = torch.tensor(group, device=x.device)
             tokens = batch.query_start[seqs]
@@ -344,7 +345,7 @@ class GatedDSA(nn.Module):
             q, k, v = self._absorbed_qkv(q_nope[0, tokens][:, None], q_rope[0, tokens][:, None], keys, w_kb)
             attn[0, tokens] = self._attend(q, k, v, x[0, tokens][:, None], c_q[0, tokens][:, None], keys_index,
                                            keys.shape[1] - 1, False, first_key)[:, 0]
-        for i in (i for i, n in enumerate(lengths) if n > 1):
+        for i in batch.chunk_indices():
             span = slice(starts[i], starts[i + 1])
             context = int(batch.context_len[i])
             keys, keys_index = pool.read(_sequence_positions(batch, i, context + lengths[i]))

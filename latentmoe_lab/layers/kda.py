@@ -25,6 +25,7 @@ from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.kda_paged import advance_gathered, advance_in_pool, short_conv_paged
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
+from latentmoe_lab.ops.activations import sigmoid, silu, softplus
 from latentmoe_lab.ops.backend import resolve_backend
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.kda_decode import kda_decode_step_
@@ -102,8 +103,8 @@ class KimiDeltaAttention(nn.Module):
                            "b t (h d) -> b t h d", h=self.num_heads)
         rate = at_least_fp32(self.A_log).exp()[:, None]  # [H, 1]
         if self.gate_form == "lower_bound":
-            return self.gate_lower_bound * torch.sigmoid(rate * logits)
-        return -rate * F.softplus(logits)
+            return self.gate_lower_bound * sigmoid(rate * logits)
+        return -rate * softplus(logits)
 
     @record_function("attn.kda")
     def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None,
@@ -152,16 +153,16 @@ class KimiDeltaAttention(nn.Module):
 
     def _heads(self, conv_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Short-conv output [B, T, channels] and x -> q, k ([B, T, H, d_k], L2-normed), v, g (fp32), beta (fp32)."""
-        qkv = F.silu(conv_out)
+        qkv = silu(conv_out)
         key_width = self.num_heads * self.head_dim_k
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads)
                    for t in qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1))
         q, k = l2_norm(q, eps=1e-6), l2_norm(k, eps=1e-6)
-        return q, k, v, self.forget_gate(x), torch.sigmoid(at_least_fp32(self.b_proj(x)))
+        return q, k, v, self.forget_gate(x), sigmoid(at_least_fp32(self.b_proj(x)))
 
     def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """KDA output [B, T, H, d_v] -> W_o [RMSNorm_head(out) * sigmoid(W_g x)] [B, T, hidden]."""
-        gate = rearrange(torch.sigmoid(self.g_proj(x)), "b t (h d) -> b t h d", h=self.num_heads)
+        gate = rearrange(sigmoid(self.g_proj(x)), "b t (h d) -> b t h d", h=self.num_heads)
         out = self.o_norm(out) * gate
         return self.o_proj(rearrange(out, "b t h d -> b t (h d)"))
 

@@ -2,8 +2,9 @@
 
 A serving step packs S sequences into x [1, total, hidden] (ForwardBatch); each owns one slot of the
 layer's KDAPool: a conv tail pool.conv[slot] [channels, kernel-1] and a state pool.state[slot]
-[H, d_k, d_v] fp32. Decodes (one new token) of many sequences advance together; a prefill chunk runs the
-chunked form on its own (a loop over sequences, never over tokens).
+[H, d_k, d_v] fp32. Decodes (batch.decode_indices(): one generated token) of many sequences advance
+together; a prompt chunk, even of one token, runs the chunked form on its own (a loop over sequences,
+never over tokens).
 
 Two ways to advance the states, with the same math:
   - `advance_gathered`, the reference: index_select the S states into an owned copy, advance it, and
@@ -73,8 +74,8 @@ def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tens
     if bool(fresh.any()):
         state.masked_fill_(fresh[:, None, None, None], 0.0)
     out = v.new_empty(v.shape)
-    starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
-    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    starts = batch.query_start.tolist()
+    decodes = batch.decode_indices()
     if decodes:
         tokens = batch.query_start[decodes]  # each decode's one token
         # The scheduler puts decodes first, so their rows are usually one slice: a view, no copy.
@@ -85,7 +86,7 @@ def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tens
             state[decodes] = rows
     # With gradients the op may save its initial state for backward; `state[i] = ...` below writes that memory.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in heads)
-    for i in (i for i, n in enumerate(lengths) if n > 1):
+    for i in batch.chunk_indices():
         span = slice(starts[i], starts[i + 1])
         initial = state[i:i + 1].clone() if needs_grad else state[i:i + 1]
         o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=initial, output_final_state=True,
@@ -108,13 +109,13 @@ def advance_in_pool(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tenso
     for i in (batch.context_len == 0).nonzero().flatten().tolist():
         state[slots[i]].zero_()  # a new sequence starts from S = 0, whatever the slot held
     out = v.new_empty(v.shape)
-    starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
-    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    starts = batch.query_start.tolist()
+    decodes = batch.decode_indices()
     for first_slot, members in slot_runs([slots[i] for i in decodes], decodes):
         tokens = batch.query_start[members]
         rows = state[first_slot:first_slot + len(members)]
         out[0, tokens] = kda_decode_step_(rows, *(t[0, tokens] for t in heads))
-    for i in (i for i, n in enumerate(lengths) if n > 1):
+    for i in batch.chunk_indices():
         span, row = slice(starts[i], starts[i + 1]), state[slots[i]:slots[i] + 1]
         o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=row, output_final_state=True,
                                chunk_size=chunk_size)

@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from latentmoe_lab.ops import batch_invariant
+from latentmoe_lab.ops.activations import sigmoid, silu
 from latentmoe_lab.ops.backend import resolve_backend
 
 # 0/0 guard: sigmoid underflows to exactly 0 for logits below about -104.
@@ -81,7 +82,7 @@ def route_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = Non
         from latentmoe_kernels.routing import fused_route
         routed = fused_route(logits, top_k, bias, n_group, topk_group, renormalize, scaling)
         return routed.weights, routed.indices
-    scores = torch.sigmoid(logits.float())
+    scores = sigmoid(logits.float())
     choice = scores if bias is None else scores + bias.float()
     if n_group > 1:
         grouped = choice.unflatten(-1, (n_group, -1))  # [N, G, E/G]
@@ -103,7 +104,7 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, bias: torch.Tensor | 
     per_group = num_experts // n_group
     weights, indices = [], []
     for row in logits.float():
-        s = torch.sigmoid(row)
+        s = sigmoid(row)
         choice = (s if bias is None else s + bias.float()).tolist()
         eligible = range(num_experts)
         if n_group > 1:
@@ -263,8 +264,23 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, impl
     if x.shape[0] == 0:
         return x.new_zeros(0, w.shape[2])
     if impl == "grouped_mm" or (impl == "auto" and fits):
+        if batch_invariant.active():
+            return _grouped_mm_min_rows(x, w, offsets.long())
         return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets.to(torch.int32))
     return _grouped_matmul_padded(x, w, offsets.long())
+
+
+def _grouped_mm_min_rows(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm with every non-empty group padded to batch_invariant.MIN_ROWS rows, so a row's bits do
+    not depend on how many tokens its expert got in this step (ops/batch_invariant.py says why)."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    padded_counts = torch.where(counts > 0, counts.clamp(min=batch_invariant.MIN_ROWS), 0)
+    expert_of_row = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts, output_size=x.shape[0])
+    row_in_group = torch.arange(x.shape[0], device=x.device) - (offsets - counts)[expert_of_row]
+    padded_offsets = padded_counts.cumsum(0)
+    destination = (padded_offsets - padded_counts)[expert_of_row] + row_in_group
+    padded = x.new_zeros(int(padded_offsets[-1]), x.shape[1]).index_copy_(0, destination, x)
+    return torch._grouped_mm(padded, w.contiguous(), offs=padded_offsets.to(torch.int32))[destination]
 
 
 def _grouped_matmul_padded(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -293,7 +309,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, clamp: float | None = None) -> 
     if clamp is not None:
         gate = gate.clamp(max=clamp)
         up = up.clamp(-clamp, clamp)
-    return F.silu(gate) * up
+    return silu(gate) * up
 
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor, clamp: float | None = None,

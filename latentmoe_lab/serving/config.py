@@ -42,6 +42,9 @@ Four sections, the keys of the public example first, then ours where the example
                                    with error "engine_step_failed" (default 3; a server sets server.max_retries)
       max_log_records       int    ours: Engine.log keeps the latest this many step and request records
                                    (default 100000; a server keeps fewer)
+      batch_invariant       bool   ours: a request's logits bit for bit independent of its step-mates, the
+                                   budget and prefix hits (serving/invariance.py; default false: it costs
+                                   budget at chunk ends and a few percent of step time)
 
 Unknown keys, wrong types and inconsistent values raise ValueError naming the key path.
 """
@@ -102,6 +105,7 @@ class SchedulerSection:
     prefill_chunk_size: int = 512
     max_step_retries: int = 3
     max_log_records: int = 100_000
+    batch_invariant: bool = False
 
 
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
@@ -193,6 +197,8 @@ class ServiceConfig:
                and s.max_step_retries >= 0, "scheduler.max_step_retries",
                f"must be an integer >= 0, got {s.max_step_retries!r}")
         _positive_int("scheduler.max_log_records", s.max_log_records)
+        _check(isinstance(s.batch_invariant, bool), "scheduler.batch_invariant",
+               f"must be true or false, got {s.batch_invariant!r}")
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")

@@ -40,6 +40,7 @@ from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.failures import StepError, settle_failed_step
 from latentmoe_lab.serving.inputs import prompt_inputs
+from latentmoe_lab.serving.invariance import batch_invariant_grid
 from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
 from latentmoe_lab.serving.model_runner import ModelRunner
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
@@ -98,11 +99,13 @@ class Engine:
         self._steps = 0
         self._tokens = {"prefill": 0, "decode": 0}
         # last: a parallel runner starts worker processes, which nothing after it may leave behind
-        self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device) if layout is None
+        grid = batch_invariant_grid(model, cfg, layout is None, device)
+        self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device, cfg.scheduler.batch_invariant)
+                       if layout is None
                        else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout)))
         copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
-                                   cfg.scheduler.chunked_prefill, copy_slot)
+                                   cfg.scheduler.chunked_prefill, copy_slot, grid)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:

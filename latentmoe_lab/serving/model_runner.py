@@ -10,6 +10,8 @@ For S scheduled sequences with n_i new tokens each, the new tokens go back to ba
     block_table  [S, max_blocks]  its block ids, -1 past the end
     slot_mapping [total]          block_table[p // block_size] * block_size + p % block_size for each position p
     emit         [S]              the chunk reaches the end of token_ids: sample after this step
+    decode       [S]              one new token that is a generated one (a prompt's last token alone, after a
+                                  prefix hit, runs as a one-token chunk instead)
     image_features [P, hidden]    rows of each sequence's (once-computed) vision features for the image
                                   placeholders inside its chunk, in token order; image_mask [total] marks them
 
@@ -17,18 +19,22 @@ The model returns logits [S, vocab] at each sequence's last new token.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from latentmoe_lab.forward_batch import ForwardBatch
+from latentmoe_lab.ops.batch_invariant import batch_invariant_mode
 from latentmoe_lab.serving.scheduler import ScheduledBatch
 from latentmoe_lab.serving.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, pools, block_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, model, pools, block_size: int, device: torch.device | str = "cpu",
+                 batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # forward inside batch_invariant_mode (serving/invariance.py)
         self.pools = pools
         self.block_size = block_size
         self.device = torch.device(device)
@@ -42,7 +48,7 @@ class ModelRunner:
                                                               seq.images.image_grids.to(self.device))
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        tokens, positions, slot_mapping, starts, contexts, slots, tables = [], [], [], [0], [], [], []
+        tokens, positions, slot_mapping, starts, contexts, slots, tables, decode = [], [], [], [0], [], [], [], []
         image_rows, image_mask = [], []
         for seq, n in batch.entries:
             start = seq.num_computed
@@ -54,6 +60,7 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             contexts.append(start)
             slots.append(seq.slot)
+            decode.append(n == 1 and start >= len(seq.prompt_ids))
             tables.append(seq.block_table)
             image_mask += _placeholder_mask(seq, start, start + n)
             if seq.images is not None:
@@ -73,6 +80,7 @@ class ModelRunner:
             context_len=ids(contexts), state_slot=ids(slots), block_table=block_table.to(self.device),
             slot_mapping=ids(slot_mapping),
             emit=torch.tensor(batch.emits(), dtype=torch.bool, device=self.device),
+            decode=torch.tensor(decode, dtype=torch.bool, device=self.device),
             block_size=self.block_size,
             image_features=torch.cat(image_rows) if image_rows else None,
             image_mask=torch.tensor(image_mask, dtype=torch.bool, device=self.device) if image_rows else None,
@@ -86,7 +94,8 @@ class ModelRunner:
         start = time.monotonic()
         forward_batch = self.build_batch(batch)
         self.last_build_time = time.monotonic() - start
-        return self.model(forward_batch.input_ids, batch=forward_batch, pools=self.pools)
+        with batch_invariant_mode() if self.batch_invariant else contextlib.nullcontext():
+            return self.model(forward_batch.input_ids, batch=forward_batch, pools=self.pools)
 
 
 def _placeholder_mask(seq: Sequence, start: int, end: int) -> list[bool]:

@@ -17,6 +17,11 @@ and conv tail wait in the pools for the next chunk, and its DSA blocks keep the 
 Prefix caching: a chunk that would end past a block boundary ends AT the last boundary it crosses, so
 that a KDA snapshot can be taken there (a prompt's tail shorter than a block then runs one step later).
 
+Batch-invariant serving (scheduler.batch_invariant, chunk_grid > 1): a chunk that stops short of the
+prompt's end ends on a multiple of chunk_grid, the model's KDA chunk and DSA query block, so every
+position is computed in the same chunk of the same grid whatever the budget left it; a sequence that
+cannot reach a grid point this step waits for the next (serving/invariance.py).
+
 Preemption by recompute: when a running sequence needs a block and none is free, the newest running
 sequence not yet scheduled this step gives back its blocks and slot and returns to the head of the
 waiting queue with prompt + generated tokens (num_computed = 0); it is recomputed when readmitted, the
@@ -66,8 +71,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int,
-                 chunked_prefill: bool, copy_slot: Callable[[int, int], None]):
+                 chunked_prefill: bool, copy_slot: Callable[[int, int], None], chunk_grid: int = 1):
         self.blocks = block_manager
+        self.chunk_grid = chunk_grid
         self.block_size = block_manager.block_size
         self.max_num_seqs = min(max_num_seqs, block_manager.num_slots)
         self.budget = prefill_chunk_size
@@ -170,7 +176,13 @@ class Scheduler:
             boundary = (seq.num_computed + n) // self.block_size * self.block_size
             if boundary > seq.num_computed:
                 n = boundary - seq.num_computed
-        return n
+        return self._on_grid(seq, n)
+
+    def _on_grid(self, seq: Sequence, n: int) -> int:
+        """n, or less so that a chunk short of the prompt's end ends on the chunk grid (0 if none is in reach)."""
+        if self.chunk_grid == 1 or n >= seq.num_remaining:
+            return n
+        return max(0, (seq.num_computed + n) // self.chunk_grid * self.chunk_grid - seq.num_computed)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table))
@@ -210,7 +222,7 @@ class Scheduler:
             n = 0
         if n > 0 and self.chunked_prefill:
             room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.block_size - seq.num_computed
-            n = min(n, room)
+            n = self._on_grid(seq, min(n, room))
         if n <= 0:
             self._release(seq)
             seq.num_computed = seq.num_registered = 0
