@@ -48,6 +48,7 @@ from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.analysis.memory import PeakMemory
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving.invariance import recorded_logits
 from latentmoe_lab.serving.service_plan import per_sequence_bytes, per_sequence_text, service_plan_text
 from latentmoe_lab.serving.workload import run_workload, synthetic_workload
 from latentmoe_lab.viz import serving as viz
@@ -204,19 +205,10 @@ for prefix in (False, True):
 # %%
 def sampled_logits(engine, prompts, params):
     """{(prompt index, position): the logits row a token was sampled from}, serving prompts together."""
-    rows, index_of = {}, {tuple(p): i for i, p in enumerate(prompts)}
-    run = engine.runner.run
-
-    def record(batch):
-        out = run(batch)
-        for (seq, n), emits, row in zip(batch.entries, batch.emits(), out.logits):
-            if emits:
-                rows[(index_of[tuple(seq.prompt_ids)], seq.num_computed + n - 1)] = row.clone()
-        return out
-
-    engine.runner.run = record
-    engine.generate(prompts, params, use_tqdm=False)
-    return rows
+    with recorded_logits(engine) as rows:
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+    index_of = {o.request_id: i for i, o in enumerate(outputs)}
+    return {(index_of[rid], pos): row for (rid, pos), row in rows.items()}
 
 
 def invariant_service(chunk, invariant):

@@ -12,6 +12,7 @@ from latentmoe_lab.ops import activations, batch_invariant
 from latentmoe_lab.ops.batch_invariant import check_row_invariance, batch_invariant_mode
 from latentmoe_lab.ops.routing import grouped_matmul, grouped_matmul_reference
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving.invariance import recorded_logits
 
 ACTIVATIONS = {"sigmoid": (activations.sigmoid, torch.sigmoid), "silu": (activations.silu, F.silu),
                "softplus": (activations.softplus, lambda x: torch.logaddexp(x, torch.zeros_like(x)))}
@@ -159,23 +160,24 @@ def test_config_type():
 
 
 def sampled_logits(engine, prompts, params, split=None):
-    """Serve prompts (distinct; the first `split` alone first, then the rest) and return {(prompt index,
-    position): logits row} for every row a token was sampled from, plus the outputs."""
-    rows, index_of = {}, {tuple(p): i for i, p in enumerate(prompts)}
-    run = engine.runner.run
-
-    def record(batch):
-        out = run(batch)
-        for (seq, n), emits, row in zip(batch.entries, batch.emits(), out.logits):
-            if emits:
-                rows[(index_of[tuple(seq.prompt_ids)], seq.num_computed + n - 1)] = row.clone()
-        return out
-
-    engine.runner.run = record
+    """Serve prompts (the first `split` alone first, then the rest) -> ({(prompt index, position): the logits
+    row a token was sampled from}, the outputs' token ids)."""
     outputs = []
-    for part in ([prompts[:split], prompts[split:]] if split else [prompts]):
-        outputs += engine.generate(part, params, use_tqdm=False)
-    return rows, [o.token_ids for o in outputs]
+    with recorded_logits(engine) as rows:
+        for part in ([prompts[:split], prompts[split:]] if split else [prompts]):
+            outputs += engine.generate(part, params, use_tqdm=False)
+    index_of = {o.request_id: i for i, o in enumerate(outputs)}
+    return {(index_of[rid], pos): row for (rid, pos), row in rows.items()}, [o.token_ids for o in outputs]
+
+
+def test_recorded_logits_are_the_rows_sampled_from(model):
+    engine = Engine(model, invariant_service())
+    prompt = torch.randint(0, 256, (70,)).tolist()
+    with recorded_logits(engine) as rows:
+        output = engine.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert sorted(pos for _, pos in rows) == [69, 70, 71, 72]
+    assert [int(rows[(output.request_id, pos)].argmax()) for pos in (69, 70, 71, 72)] == output.token_ids
+    assert "run" not in vars(engine.runner)  # the runner is itself again
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,14 @@ Three sources of batch dependence, and what removes each:
 
 What stays different: a token recomputed after a preemption runs inside a prefill chunk rather than
 as a decode, which sums in another order (KDA's chunked form against its recurrent step).
+
+`recorded_logits(engine)` collects the logits rows an engine samples from, to compare runs bit for bit
+(tests/test_batch_invariance.py, notebook 06).
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -44,3 +50,24 @@ def batch_invariant_grid(model, cfg: ServiceConfig, runs_here: bool, device) -> 
                          f"chunk grid ({grid}) with {key} and prefix caching (a hit resumes at a block boundary)")
     check_row_invariance(next(model.parameters()).dtype)
     return grid
+
+
+@contextlib.contextmanager
+def recorded_logits(engine) -> Iterator[dict[tuple[int, int], torch.Tensor]]:
+    """Inside: every logits row the engine samples a token from, as {(request_id, position): row [vocab] fp32},
+    the position being that of the token the row is computed at. For comparing runs bit for bit."""
+    rows: dict[tuple[int, int], torch.Tensor] = {}
+    run = engine.runner.run
+
+    def recording_run(batch):
+        output = run(batch)
+        for (seq, n), emits, row in zip(batch.entries, batch.emits(), output.logits):
+            if emits:
+                rows[(seq.request_id, seq.num_computed + n - 1)] = row.detach().float().clone()
+        return output
+
+    engine.runner.run = recording_run
+    try:
+        yield rows
+    finally:
+        del engine.runner.run  # the class's own method again
