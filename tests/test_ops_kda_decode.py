@@ -215,9 +215,11 @@ def test_paged_layer_in_fp64_keeps_the_fp32_pool_state():
         assert torch.equal(a, b)
 
 
-def test_paged_layer_gradients_equal_the_contiguous_layer():
-    """With gradients the paged layer takes the gathered path (kda_recurrent for a one-token prompt, the chunked
-    form past one chunk: lengths 1, 20, 37 at chunk 16); x and every parameter get the gradients of the
+@pytest.mark.parametrize("decode", [None, [False, False, False]])
+def test_paged_layer_gradients_equal_the_contiguous_layer(decode):
+    """With gradients the paged layer takes the gathered path (the one-token prompt through kda_recurrent as a
+    decode, or, marked batch.decode False as the serving runner marks prompts, through the chunked form; the
+    chunked form past one chunk: lengths 1, 20, 37 at chunk 16); x and every parameter get the gradients of the
     contiguous layer run on each sequence alone. Gates are the layer's own (its default forget gate)."""
     config = ModelConfig.from_preset("tiny")
     layer = KimiDeltaAttention(config)
@@ -228,6 +230,7 @@ def test_paged_layer_gradients_equal_the_contiguous_layer():
     params = [p for p in layer.parameters() if p.requires_grad]
 
     batch = ForwardBatch.from_sequences([[0] * n for n in lengths], [0] * 3, [[i] for i in range(3)], [2, 0, 1], 64)
+    batch.decode = None if decode is None else torch.tensor(decode)
     pool = KDAPool(state=torch.zeros(3, layer.num_heads, layer.head_dim_k, layer.head_dim_v),
                    conv=torch.zeros(3, layer.conv_channels, layer.conv_kernel - 1))
     paged = layer(x, batch=batch, pool=pool)
