@@ -88,6 +88,13 @@ def test_padded_products_equal_the_rows_of_a_large_product(rows, cols):
     torch.testing.assert_close(small["linear"], linear_big[:rows, :cols], rtol=0, atol=1e-5)
 
 
+def test_padded_products_broadcast_a_scalar_bias():
+    a, b = torch.randn(3, 8), torch.randn(8, 5)
+    with batch_invariant_mode():
+        got = torch.addmm(torch.tensor(0.5), a, b)
+    torch.testing.assert_close(got, 0.5 + a @ b)
+
+
 def test_the_override_ends_with_the_context():
     a, b = torch.randn(1, 32), torch.randn(32, 32)
     before = a @ b

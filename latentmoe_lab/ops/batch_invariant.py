@@ -45,40 +45,47 @@ def _pad_rows(a: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def _padded(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None):
-    """Operands of a (batched) product a [.., M, K] @ b [.., K, N] (+ c [.., M, N] or a bias) padded to the
-    minimum rows and columns; returns them and the (M, N) to slice back to."""
+    """Operands of a (batched) product a [.., M, K] @ b [.., K, N] (+ c [.., M, N] or a bias broadcast to it)
+    padded to the minimum rows and columns; returns them and the (M, N) to trim the result back to."""
     m, n = a.shape[-2], b.shape[-1]
     if m < MIN_ROWS:
         a = _pad_rows(a, a.dim() - 2, MIN_ROWS)
-        if c is not None and c.dim() >= 2 and c.shape[-2] == m and m != 1:
+        if c is not None and c.dim() >= 2 and c.shape[-2] == m and m != 1:  # (a row of 1 broadcasts)
             c = _pad_rows(c, c.dim() - 2, MIN_ROWS)
     if n < MIN_COLS:
         b = _pad_rows(b, b.dim() - 1, MIN_COLS)
-        if c is not None and c.shape[-1] == n and n != 1:
+        if c is not None and c.dim() >= 1 and c.shape[-1] == n and n != 1:
             c = _pad_rows(c, c.dim() - 1, MIN_COLS)
     return a, b, c, m, n
 
 
+def _trimmed(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """The [.., m, n] result: `out` itself when nothing was padded, else a compact copy of its corner."""
+    if out.shape[-2:] == (m, n):
+        return out
+    return out[..., :m, :n].clone()
+
+
 def _mm(a, b):
     a, b, _, m, n = _padded(a, b, None)
-    return _aten.mm.out(a, b, out=a.new_empty(a.shape[0], b.shape[1]))[:m, :n].clone()
+    return _trimmed(_aten.mm.out(a, b, out=a.new_empty(a.shape[0], b.shape[1])), m, n)
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
     a, b, bias, m, n = _padded(a, b, bias)
     out = a.new_empty(a.shape[0], b.shape[1])
-    return _aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)[:m, :n].clone()
+    return _trimmed(_aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out), m, n)
 
 
 def _bmm(a, b):
     a, b, _, m, n = _padded(a, b, None)
-    return _aten.bmm.out(a, b, out=a.new_empty(a.shape[0], a.shape[1], b.shape[2]))[:, :m, :n].clone()
+    return _trimmed(_aten.bmm.out(a, b, out=a.new_empty(a.shape[0], a.shape[1], b.shape[2])), m, n)
 
 
 def _baddbmm(c, a, b, *, beta=1, alpha=1):
     a, b, c, m, n = _padded(a, b, c)
     out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
-    return _aten.baddbmm.out(c, a, b, beta=beta, alpha=alpha, out=out)[:, :m, :n].clone()
+    return _trimmed(_aten.baddbmm.out(c, a, b, beta=beta, alpha=alpha, out=out), m, n)
 
 
 @contextlib.contextmanager
