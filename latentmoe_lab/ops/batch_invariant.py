@@ -3,10 +3,9 @@
 Why: BLAS picks its kernel from the shape. On the CPU this was measured on (torch 2.13's CPU GEMMs), row
 and column counts M, N >= 12 give every output element the same bits whatever M and N are, while below
 that other kernels sum in another order: M = 1 (a GEMV), M = 2-3, the rows past the last multiple of 4
-when M < 12, and N <= 11. In a
-serving step M is the number of tokens in the step, of one expert's group or of an attention tile, so a
-token served alone would round differently from the same token in a busy step, and greedy picks
-between near-equal logits would follow the batch.
+when M < 12, and N <= 11. In a serving step M is the number of tokens in the step, of one expert's group
+or of an attention tile, so a token served alone would round differently from the same token in a busy
+step, and greedy picks between near-equal logits would follow the batch.
 
 `batch_invariant_mode()` makes every CPU mm / addmm / bmm / baddbmm pad its rows to at least MIN_ROWS
 and its columns to at least MIN_COLS (zeros, sliced off after), for as long as it is entered; the grouped
