@@ -5,8 +5,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
-# Extra arguments for `make lab`, e.g. LAB_ARGS="--no-browser --port 8899"; as root it defaults to --allow-root.
-LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
+# Extra arguments for `make lab`, e.g. LAB_ARGS="--no-browser --port 8899"; as root --allow-root is added to them.
+LAB_ARGS ?=
+LAB_ROOT_ARGS := $(if $(filter 0,$(shell id -u)),$(if $(filter --allow-root,$(LAB_ARGS)),,--allow-root),)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -27,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/
+	$(VENV)/bin/jupyter lab $(LAB_ROOT_ARGS) $(LAB_ARGS) notebooks/
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache
