@@ -261,8 +261,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, impl
     if impl == "grouped_mm" and not fits:
         raise ValueError("impl: 'grouped_mm' needs CPU fp32/bf16/fp16 tensors, D_in and D_out rows of a "
                          "multiple of 16 bytes, and no autograd")
-    if x.shape[0] == 0:
-        return x.new_zeros(0, w.shape[2])
+    # No shortcut for M == 0: every path returns [0, D_out] in the autograd graph of x and w (w's gradient is
+    # zero), as the reference does. An expert-parallel rank that receives no rows must still run the backward
+    # of its All-to-Alls, which only happens while its expert output stays in the graph.
     if impl == "grouped_mm" or (impl == "auto" and fits):
         if batch_invariant.active():
             return _grouped_mm_min_rows(x, w, offsets.long())
