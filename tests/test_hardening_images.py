@@ -68,3 +68,18 @@ def test_grid_sides_are_bounded_before_their_product(tiny_config):
     grids = torch.tensor([[2 ** 32, 2 ** 32], [2, 2]])  # 2^64 wraps to 0 in int64: 0 + 4 "matched" 4 patches
     with pytest.raises(ValueError, match="image_grids: a side of 4294967296 patches exceeds the 4 patches"):
         tower.check_inputs(torch.zeros(4, patch_dim), grids)
+
+
+def test_empty_and_thin_images_are_named_at_their_own_size(tiny_config, tmp_path):
+    """An empty PIL image names the image (not numpy's buffer message); a 1 x 100000 PNG is reported as
+    1x100000, not at the size PIL's reduction would leave it."""
+    thin = tmp_path / "thin.png"
+    Image.new("RGB", (1, 100_000)).save(thin)
+    processor = ImageTextProcessor(tiny_config)
+    with pytest.raises(ValueError, match=r"^images\[0\]\[0\]: 0x0 pixels \(width x height\) has no pixels$"):
+        processor("<image>", [Image.new("RGB", (0, 0))])
+    with pytest.raises(ValueError, match=r"^images\[0\]\[0\]: 1x100000 pixels \(width x height\) is smaller than "
+                                         r"one 14x14 patch$"):
+        processor("<image>", [thin])
+    with pytest.raises(ValueError, match=r"^image: 5x0 pixels \(width x height\) has no pixels$"):
+        to_image_tensor(torch.zeros(3, 0, 5), 3)

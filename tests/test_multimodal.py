@@ -51,7 +51,7 @@ def test_pil_images_paths_and_tensors_agree(processor, tmp_path):
     ("two <image> <image>", [torch.rand(3, 28, 28)], ValueError, r"text\[0\]: has 2 '<image>' markers but 1"),
     ("<image>", [torch.rand(1, 28, 28)], ValueError, r"images\[0\]\[0\]: expected 3 channels first"),
     ("<image>", [torch.rand(28, 28, 3)], ValueError, r"images\[0\]\[0\]: expected 3 channels first"),
-    ("<image>", [torch.rand(3, 10, 40)], ValueError, r"images\[0\]\[0\]: 10x40 pixels is smaller than one 14x14"),
+    ("<image>", [torch.rand(3, 10, 40)], ValueError, r"images\[0\]\[0\]: 40x10 pixels \(width x height\) is smaller than one 14x14"),
     ("<image>", [torch.rand(3, 28, 28) * 3], ValueError, r"float pixels must lie in \[0, 1\]"),
     ("<image>", [torch.zeros(3, 28, 28, dtype=torch.int32)], TypeError, "uint8"),
     ("<image>", ["/no/such/file.png"], ValueError, "no image file"),

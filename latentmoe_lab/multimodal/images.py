@@ -31,25 +31,26 @@ MAX_PIXELS = 50_000_000  # above a 48 MP photo; a 12000 x 12000 image (144 MP) i
 
 
 def to_image_tensor(image, in_channels: int, name: str = "image", max_pixels: int = MAX_PIXELS,
-                    max_side: int | None = None) -> torch.Tensor:
+                    max_side: int | None = None, min_side: int = 1) -> torch.Tensor:
     """A PIL image, an image file path, or a tensor [C, H, W] (uint8, or float in [0, 1]) -> float [C, H, W].
 
-    `name` is used in error messages, e.g. "images[1]". Images of more than max_pixels pixels are refused
-    (files before decoding). With max_side, a PIL image or file whose longer side exceeds 2 * max_side is
-    shrunk in PIL first, to a longer side of at least 2 * max_side.
+    `name` is used in error messages, e.g. "images[1]". Images of more than max_pixels pixels, or with a side
+    shorter than min_side (the patch size), are refused at their own size (files before decoding). With
+    max_side, a PIL image or file whose longer side exceeds 2 * max_side is shrunk in PIL first, to a longer
+    side of at least 2 * max_side.
     """
     if isinstance(image, (str, Path)):
-        image = _file_to_tensor(image, in_channels, name, max_pixels, max_side)
+        image = _file_to_tensor(image, in_channels, name, max_pixels, max_side, min_side)
     elif _is_pil_image(image):
-        image = _pil_to_tensor(image, in_channels, name, max_pixels, max_side)
+        image = _pil_to_tensor(image, in_channels, name, max_pixels, max_side, min_side)
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"{name}: expected a PIL image, a file path or a tensor [C, H, W], got {type(image).__name__}")
     if image.dim() != 3:
         raise ValueError(f"{name}: expected 3 dims [C, H, W], got shape {tuple(image.shape)}")
-    _check_pixels(image.shape[2], image.shape[1], max_pixels, name)
     if image.shape[0] != in_channels:
         raise ValueError(f"{name}: expected {in_channels} channels first [C={in_channels}, H, W], "
                          f"got shape {tuple(image.shape)}")
+    _check_size(image.shape[2], image.shape[1], max_pixels, name, min_side)
     if image.dtype == torch.uint8:
         return image.float() / 255.0
     if not image.is_floating_point():
@@ -68,8 +69,7 @@ def grid_size(height: int, width: int, patch_size: int, merge_size: int,
 
     With max_side, a larger image is first scaled down (aspect kept) so its longer side is <= max_side.
     """
-    if min(height, width) < patch_size:
-        raise ValueError(f"{name}: {height}x{width} pixels is smaller than one {patch_size}x{patch_size} patch")
+    _check_size(width, height, None, name, patch_size)
     scale = 1.0 if max_side is None else min(1.0, max_side / max(height, width))
     unit = patch_size * merge_size
     rows = max(1, round(height * scale / unit)) * merge_size
@@ -114,8 +114,12 @@ def _is_pil_image(value) -> bool:
     return isinstance(value, Image.Image)
 
 
-def _check_pixels(width: int, height: int, max_pixels: int, name: str) -> None:
-    if width * height > max_pixels:
+def _check_size(width: int, height: int, max_pixels: int | None, name: str, min_side: int = 1) -> None:
+    """Refuse an image with no pixels, a side under min_side, or more than max_pixels pixels (None: no limit)."""
+    if min(width, height) < max(min_side, 1):
+        what = "has no pixels" if min(width, height) == 0 else f"is smaller than one {min_side}x{min_side} patch"
+        raise ValueError(f"{name}: {width}x{height} pixels (width x height) {what}")
+    if max_pixels is not None and width * height > max_pixels:
         raise ValueError(f"{name}: {width}x{height} = {width * height / 1e6:.1f}M pixels is more than "
                          f"max_pixels = {max_pixels / 1e6:.1f}M; scale it down first")
 
@@ -127,7 +131,7 @@ def _pil_errors():
 
 
 def _file_to_tensor(path: str | Path, in_channels: int, name: str, max_pixels: int,
-                    max_side: int | None) -> torch.Tensor:
+                    max_side: int | None, min_side: int) -> torch.Tensor:
     try:
         from PIL import Image
     except ImportError:
@@ -141,22 +145,23 @@ def _file_to_tensor(path: str | Path, in_channels: int, name: str, max_pixels: i
     except _pil_errors() as error:
         raise ValueError(f"{name}: {str(path)!r} is not a readable image ({error})") from None
     with opened:
-        _check_pixels(*opened.size, max_pixels, name)
+        _check_size(*opened.size, max_pixels, name, min_side)
         keep = None if max_side is None else 2 * max_side
         if keep is not None and max(opened.size) > keep:  # a JPEG decodes straight at 1/2, 1/4 or 1/8 scale
             factor = max(opened.size) / keep
             opened.draft({1: "L", 3: "RGB"}.get(in_channels),
                          (math.ceil(opened.size[0] / factor), math.ceil(opened.size[1] / factor)))
-        return _pil_to_tensor(opened, in_channels, name, max_pixels, max_side)
+        return _pil_to_tensor(opened, in_channels, name, max_pixels, max_side, min_side)
 
 
-def _pil_to_tensor(image, in_channels: int, name: str, max_pixels: int, max_side: int | None) -> torch.Tensor:
+def _pil_to_tensor(image, in_channels: int, name: str, max_pixels: int, max_side: int | None,
+                   min_side: int) -> torch.Tensor:
     """PIL image (possibly not decoded yet) -> uint8 [C, H, W]; converted to RGB (3 channels) or L (1 channel),
-    after the pixel-count check and, with max_side, box-reduced while still 8-bit (never below 2 * max_side)."""
+    after the size checks and, with max_side, box-reduced while still 8-bit (never below 2 * max_side)."""
     modes = {1: "L", 3: "RGB"}
     if in_channels not in modes:
         raise ValueError(f"in_channels: PIL images can become 1 or 3 channels, the vision tower wants {in_channels}")
-    _check_pixels(*image.size, max_pixels, name)
+    _check_size(*image.size, max_pixels, name, min_side)  # at the image's own size, before any reduction
     keep = None if max_side is None else 2 * max_side  # smallest longer side worth keeping
     try:
         image = image.convert(modes[in_channels])  # decodes a file opened lazily; a new image either way

@@ -125,7 +125,8 @@ class ImageTextProcessor:
 
     def image_patches(self, image, name: str = "image") -> tuple[torch.Tensor, tuple[int, int]]:
         """One image -> (patches [rows*cols, C*p*p], (rows, cols))."""
-        tensor = to_image_tensor(image, self.vision.in_channels, name, self.max_pixels, self.max_side)
+        tensor = to_image_tensor(image, self.vision.in_channels, name, self.max_pixels, self.max_side,
+                                 min_side=self.vision.patch_size)
         return patchify(tensor, self.vision.patch_size, self.vision.merge_size, self.max_side, name)
 
     def image_span(self, grid: tuple[int, int]) -> list[int]:
