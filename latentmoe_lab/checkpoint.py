@@ -4,6 +4,8 @@
     DIR/model.safetensors                 every tensor of the state dict, when it fits in max_shard_size
     DIR/model-0000k-of-0000n.safetensors  otherwise, shards of at most max_shard_size bytes each ...
     DIR/model.safetensors.index.json      ... and {"metadata": {"total_size"}, "weight_map": {name: shard}}
+    DIR/tokenizer.json, tokenizer_config.json, special_tokens_map.json   the byte tokenizer for Hugging Face
+                                          tools (tokenizer_files.py)
 
 Saving is atomic at the directory level: everything is written (and fsynced) into a hidden sibling
 `.DIR.tmp-<pid>`, then the old DIR is renamed to `DIR.previous`, the new one to DIR, and the previous
@@ -31,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.tokenizer_files import write_tokenizer_files
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -100,6 +103,7 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_size: in
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    write_tokenizer_files(tmp, config.max_position_embeddings)
     (tmp / CONFIG_NAME).write_text(config.to_json())
     shards = shard_state_dict(checkpoint_state_dict(model), limit)
     if len(shards) == 1:

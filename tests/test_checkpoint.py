@@ -30,7 +30,8 @@ def _ids(config, seed=1):
 
 def test_save_then_load_gives_identical_logits(trained_like, tmp_path):
     path = trained_like.save_pretrained(tmp_path / "ckpt")
-    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(path)) == ["checksums.json", "config.json", "model.safetensors", "special_tokens_map.json",
+                                       "tokenizer.json", "tokenizer_config.json"]
     loaded = LatentMoEForCausalLM.from_pretrained(path)
     ids = _ids(trained_like.config)
     assert not loaded.training
@@ -164,7 +165,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(trained_li
         with pytest.warns(UserWarning, match="interrupted"):
             loaded = LatentMoEForCausalLM.from_pretrained(path)
     else:
-        assert any(entry.name.startswith(".ckpt.tmp-") for entry in tmp_path.iterdir())
+        assert any(entry.name.startswith(".ckpt.latentmoe-tmp-") for entry in tmp_path.iterdir())
         loaded = LatentMoEForCausalLM.from_pretrained(path)
     assert torch.equal(loaded(ids).logits, trained_like(ids).logits)
     trained_like.save_pretrained(path)  # the next save cleans up after the killed one
