@@ -21,14 +21,16 @@ way the whole group is killed and WorkerGroupError raised; `lost` says whether i
 (the engine restarts and recomputes, docs/design.md §10) rather than an exception in the model (the
 engine restarts, then raises it like a one-process step).
 
-The workers are started like any spawn / forkserver child, so a script that builds a parallel Engine
-needs the usual `if __name__ == "__main__":` guard (the children import the main module).
+The workers do not import the caller's main module (`_children_without_main`), so a script that builds
+a parallel Engine needs no `if __name__ == "__main__":` guard, and `python - < script.py` works too.
 """
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import sys
 import time
+import types
 from multiprocessing.connection import wait
 
 import torch
@@ -78,6 +80,25 @@ def weights_bytes(model) -> bytes:
     return save({name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()})
 
 
+@contextlib.contextmanager
+def _children_without_main():
+    """Processes started inside do not import this process's `__main__`.
+
+    A spawn or forkserver child first re-runs the parent's main script or module (as `__mp_main__`), so
+    that functions defined there unpickle. A worker's target and arguments all come from this package, so
+    the re-run buys nothing, and it breaks a script without an `if __name__ == "__main__":` guard (the
+    child builds an Engine of its own while bootstrapping, which multiprocessing refuses) and a script
+    read from stdin (there is no file to re-run). multiprocessing reads the main module from sys.modules
+    when a child starts; a bare stand-in there, with no file and no spec, sends none.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 class WorkerGroup:
     """pp * tp * ep worker processes in one gloo group, started by start(), ended by close() or kill()."""
 
@@ -104,7 +125,8 @@ class WorkerGroup:
             process = context.Process(target=run_worker, name=f"latentmoe-serve-rank{rank}", daemon=True,
                                       args=(rank, self.pconfig, port, self.config, self.stages, self.weights,
                                             theirs, heartbeat, self.threads))
-            process.start()
+            with _children_without_main():
+                process.start()
             theirs.close()
             self.processes.append(process)
             self.conns.append(ours)
