@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from latentmoe_lab.native.layout import NativeLayout
 from latentmoe_lab.training.lm import History, TrainSettings, progress_bar, warmup_cosine, write_outputs
+from latentmoe_lab.training.resume import (ResumePoint, apply_settings, check_optimizer_steps, history_from,
+                                           prepare_resume)
 
 CHECKPOINT_DIR, EXPORT_DIR, STATE_FILE = "checkpoint", "export", "trainer.json"
 
@@ -45,13 +47,15 @@ def train_native(settings: TrainSettings, layout: NativeLayout, init_from: str |
     if layout.world_size == 1:
         raise ValueError("layout: the native path needs at least one dimension > 1 (use the plain run for 1 process)")
     init_from = None if init_from is None else str(init_from)
+    # the resume is checked before any process starts (training/resume.py: the same rules as the plain run)
+    point = prepare_resume(settings, Path(settings.out) / CHECKPOINT_DIR, layout=layout) if settings.resume else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # already one of torchrun's / accelerate's processes
-        return History(**_run(settings, layout, init_from))
-    return History(**launch(_run, layout.world_size, args=(settings, layout, init_from),
+        return History(**_run(settings, layout, init_from, point))
+    return History(**launch(_run, layout.world_size, args=(settings, layout, init_from, point),
                             timeout_s=settings.timeout_s)[0])
 
 
-def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None) -> dict:
+def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None, point: ResumePoint | None) -> dict:
     from latentmoe_lab.native.build import build_native
     from latentmoe_lab.native.checkpoint import export_safetensors, load_sharded, save_sharded
     from latentmoe_lab.native.layout import build_mesh
@@ -73,10 +77,12 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None) -
         trainer.optimizer, warmup_cosine(settings.warmup, settings.steps, settings.min_lr_ratio))
     out = Path(settings.out) if settings.out is not None else None
     history = History()
-    if settings.resume:
-        state = load_sharded(native, out / CHECKPOINT_DIR, optimizer=trainer.optimizer)[STATE_FILE]
-        history = History(**state["history"])
-        scheduler.load_state_dict(state["scheduler"])
+    if point is not None:
+        load_sharded(native, point.directory, optimizer=trainer.optimizer)
+        history = history_from(History, point)
+        scheduler.load_state_dict(point.meta["scheduler"])
+        apply_settings(trainer.optimizer, scheduler, settings)
+        check_optimizer_steps(trainer.optimizer, point.step, point.directory / "optimizer")
 
     last = settings.stop_at or settings.steps
     progress = progress_bar(main, history.step, settings.steps, desc="train (native)")
@@ -103,8 +109,9 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None) -
             history.eval.append([step + 1, held, held / math.log(2)])
         at_end = step + 1 == last
         if out is not None and (at_end or (settings.save_every and (step + 1) % settings.save_every == 0)):
-            state = {"history": asdict(history), "scheduler": scheduler.state_dict(), "settings": asdict(settings),
-                     "layout": asdict(layout)}
+            state = {"step": history.step, "history": asdict(history), "scheduler": scheduler.state_dict(),
+                     "settings": asdict(settings), "layout": asdict(layout),
+                     "changed_flags": [] if point is None else point.changes}
             save_sharded(native, out / CHECKPOINT_DIR, optimizer=trainer.optimizer, extra_json={STATE_FILE: state})
     if progress is not None:
         progress.close()

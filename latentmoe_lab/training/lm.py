@@ -14,7 +14,8 @@ A non-finite loss or gradient norm stops the run: the step is replayed under a N
 names the first module whose activation or gradient went non-finite (training/guard.py).
 
 Outputs in `out`: trainer_state.json (curves), report.html (plotly), checkpoint/ (weights, config,
-optimizer, scheduler, RNG and step: `resume=True` continues exactly where the saved run stopped).
+optimizer, scheduler, RNG and step: `resume=True` continues exactly where the saved run stopped, or is
+refused before anything heavy is loaded; training/resume.py says which settings may change).
 """
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from latentmoe_lab.checkpoint import load_weights_into, save_checkpoint
+from latentmoe_lab.checkpoint import save_checkpoint
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.training import state as trainer_state
 from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
 from latentmoe_lab.training.guard import replay_with_guard
+from latentmoe_lab.training.resume import ResumePoint, history_from, prepare_resume, resume_into
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -74,6 +76,7 @@ class TrainSettings:
     config: dict | None = None  # a ModelConfig as a dict, instead of the preset
     sample_tokens: int = 200
     timeout_s: float = 3600.0
+    allow_changed_flags: bool = False  # resume: apply changed MATH_SETTINGS (training/resume.py) instead of refusing
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.config) if self.config is not None else ModelConfig.from_preset(self.preset)
@@ -95,6 +98,12 @@ class TrainSettings:
             raise ValueError(f"stop_at: must lie in [1, steps={self.steps}], got {self.stop_at!r}")
         if (self.resume or self.stop_at is not None) and self.out is None:
             raise ValueError("out: resume and stop_at need an output directory for the checkpoint")
+        if self.allow_changed_flags and not self.resume:
+            raise ValueError("allow_changed_flags: only with resume (it lets a resume change the run's settings)")
+        if self.corpus_root is not None and not Path(self.corpus_root).is_dir():
+            raise ValueError(f"corpus_root: {self.corpus_root} is not a directory")
+        if not (isinstance(self.held_out_fraction, (int, float)) and 0 < self.held_out_fraction < 1):
+            raise ValueError(f"held_out_fraction: must lie in (0, 1), got {self.held_out_fraction!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads!r}")
 
@@ -126,26 +135,29 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
 def train(settings: TrainSettings) -> History:
     """Run (or resume) a training run; with nproc > 1 on local gloo processes. Returns rank 0's history."""
     settings.validate()
+    # checked here, before any process starts, the corpus or the model is loaded
+    point = prepare_resume(settings, Path(settings.out) / CHECKPOINT_DIR) if settings.resume else None
     if settings.nproc == 1:
         from accelerate.state import AcceleratorState
 
         try:
-            return History(**_run(settings))
+            return History(**_run(settings, point))
         finally:
             # accelerate keeps its state per process, and notebook_launcher refuses to start workers
             # from a process that already holds one: leave none behind for a later multi-process run.
             AcceleratorState._reset_state(reset_partial_state=True)
     from latentmoe_lab.parallel.launch import launch
 
-    return History(**launch(_run, settings.nproc, args=(settings,), timeout_s=settings.timeout_s)[0])
+    return History(**launch(_run, settings.nproc, args=(settings, point), timeout_s=settings.timeout_s)[0])
 
 
 def _moe_layers(model: LatentMoEForCausalLM) -> list[LatentMoE]:
     return [block.ffn for block in model.layers if isinstance(block.ffn, LatentMoE)]
 
 
-def _run(settings: TrainSettings) -> dict:
-    """One process of the run; returns asdict(History) (launch hands back plain data only)."""
+def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
+    """One process of the run, resumed from `point` if given; returns asdict(History) (launch hands back plain
+    data only)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -171,11 +183,10 @@ def _run(settings: TrainSettings) -> dict:
         optimizer, warmup_cosine(settings.warmup, settings.steps, settings.min_lr_ratio))
     history = History()
     out = Path(settings.out) if settings.out is not None else None
-    if settings.resume:
-        directory = load_weights_into(model, out / CHECKPOINT_DIR)
-        meta, tensors = trainer_state.read_trainer_files(directory)
-        trainer_state.restore(optimizer, scheduler, meta, tensors)
-        history = History(**meta["history"])
+    changes = [] if point is None else point.changes
+    if point is not None:
+        resume_into(model, optimizer, scheduler, settings, point)
+        history = history_from(History, point)
     moe_layers = _moe_layers(model)
     # Only the model is prepared: accelerate's scheduler wrapper would step once per process.
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -220,7 +231,7 @@ def _run(settings: TrainSettings) -> dict:
                                f"{held_loss / math.log(2):.3f} bits per byte")
         at_end = step + 1 == last
         if out is not None and (at_end or (settings.save_every and (step + 1) % settings.save_every == 0)):
-            _save(accelerator, inner, optimizer, scheduler, history, settings, out)
+            _save(accelerator, inner, optimizer, scheduler, history, settings, changes, out)
     if progress is not None:
         progress.close()
     if main and history.step == settings.steps and settings.sample_tokens:
@@ -272,11 +283,12 @@ def greedy_sample(model: LatentMoEForCausalLM, new_tokens: int, prompt: str = "i
     return tokenizer.decode(ids[0].cpu())
 
 
-def _save(accelerator, model, optimizer, scheduler, history, settings, out: Path) -> None:
+def _save(accelerator, model, optimizer, scheduler, history, settings, changes: list[dict], out: Path) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        extra = {"history": asdict(history), "settings": asdict(settings), "changed_flags": changes}
         tensors, body = trainer_state.trainer_files(history.step, optimizer.optimizer if hasattr(
-            optimizer, "optimizer") else optimizer, scheduler, {"history": asdict(history), "settings": asdict(settings)})
+            optimizer, "optimizer") else optimizer, scheduler, extra)
         save_checkpoint(model, out / CHECKPOINT_DIR, extra_tensors=tensors, extra_json=body)
         write_outputs(out, history, settings, model.config)
     accelerator.wait_for_everyone()
