@@ -128,10 +128,8 @@ COUNTER_EDITS = {
 @pytest.mark.parametrize("name", COUNTER_EDITS)
 def test_disagreeing_or_impossible_step_counters_are_refused_naming_the_field(name, stopped, no_corpus, capsys):
     edits, message = COUNTER_EDITS[name]
-    meta = _trainer_json(stopped)
     for path, value in edits.items():
-        _set(meta, path, value)
-    (stopped / "checkpoint" / "trainer.json").write_text(json.dumps(meta))
+        _edit_json(stopped, path, value)
     line = _refused(["train", "--out", str(stopped), "--resume"], capsys)
     assert "trainer.json: " in line and message in line
 
@@ -157,6 +155,12 @@ def _edit_tensors(run, change) -> None:
     save_file(tensors, str(path))
 
 
+def _edit_json(run, path: str, value) -> None:
+    meta = _trainer_json(run)
+    _set(meta, path, value)
+    (run / "checkpoint" / "trainer.json").write_text(json.dumps(meta))
+
+
 def _truncate(run) -> None:
     path = run / "checkpoint" / "trainer_state.safetensors"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -174,6 +178,10 @@ DAMAGED_FILES = {
     "truncated trainer_state.safetensors": (_truncate, "trainer_state.safetensors: not a readable safetensors file"),
     "invalid JSON in trainer.json": (lambda run: (run / "checkpoint" / "trainer.json").write_text('{"step": 2,'),
                                      "trainer.json: not valid JSON"),
+    "scheduler state of another kind": (lambda run: _edit_json(run, "scheduler.lr_lambdas", [5]),
+                                        "trainer.json: scheduler: does not fit a LambdaLR"),
+    "unknown history field": (lambda run: _edit_json(run, "history.epochs", 3),
+                              "trainer.json: history: History.__init__() got an unexpected keyword argument 'epochs'"),
 }
 
 

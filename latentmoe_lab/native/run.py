@@ -25,8 +25,7 @@ import torch.distributed as dist
 
 from latentmoe_lab.native.layout import NativeLayout
 from latentmoe_lab.training.lm import History, TrainSettings, progress_bar, warmup_cosine, write_outputs
-from latentmoe_lab.training.resume import (ResumePoint, apply_settings, check_optimizer_steps, history_from,
-                                           prepare_resume)
+from latentmoe_lab.training.resume import ResumePoint, finish_resume, history_from, prepare_resume
 
 CHECKPOINT_DIR, EXPORT_DIR, STATE_FILE = "checkpoint", "export", "trainer.json"
 
@@ -80,9 +79,7 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None, p
     if point is not None:
         load_sharded(native, point.directory, optimizer=trainer.optimizer)
         history = history_from(History, point)
-        scheduler.load_state_dict(point.meta["scheduler"])
-        apply_settings(trainer.optimizer, scheduler, settings)
-        check_optimizer_steps(trainer.optimizer, point.step, point.directory / "optimizer")
+        finish_resume(trainer.optimizer, scheduler, settings, point, point.directory / "optimizer")
 
     last = settings.stop_at or settings.steps
     progress = progress_bar(main, history.step, settings.steps, desc="train (native)")

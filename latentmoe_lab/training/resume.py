@@ -148,14 +148,26 @@ def history_from(history_class: type, point: ResumePoint):
 
 def resume_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, settings,
                 point: ResumePoint) -> None:
-    """The single-process trainer's load (training/lm.py): weights, then the checked optimizer, scheduler and
-    RNG state, then `settings`' hyperparameters; the optimizer's step must agree with trainer.json's."""
+    """The accelerate trainer's load (training/lm.py): weights, the checked optimizer and RNG state, then
+    finish_resume."""
     load_weights_into(model, point.directory)
     tensors_path = point.directory / TENSORS_NAME
-    trainer_state.restore(optimizer, scheduler, point.meta, trainer_state.read_trainer_tensors(point.directory),
-                          tensors_path)
+    trainer_state.restore(optimizer, point.meta, trainer_state.read_trainer_tensors(point.directory), tensors_path)
+    finish_resume(optimizer, scheduler, settings, point, tensors_path)
+
+
+def finish_resume(optimizer: torch.optim.Optimizer, scheduler, settings, point: ResumePoint,
+                  optimizer_path: str | Path) -> None:
+    """After the optimizer state is loaded (from `optimizer_path`), on either engine: the scheduler from
+    trainer.json, `settings`' hyperparameters (apply_settings), and the optimizer's step checked against the
+    checkpoint's."""
+    try:  # a copy: LambdaLR.load_state_dict pops from and re-inserts into the dict it is given
+        scheduler.load_state_dict(dict(point.meta["scheduler"]))
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{point.directory / JSON_NAME}: scheduler: does not fit a LambdaLR "
+                         f"({type(error).__name__}: {error})") from None
     apply_settings(optimizer, scheduler, settings)
-    check_optimizer_steps(optimizer, point.step, tensors_path)
+    check_optimizer_steps(optimizer, point.step, optimizer_path)
 
 
 def apply_settings(optimizer: torch.optim.Optimizer, scheduler, settings) -> None:

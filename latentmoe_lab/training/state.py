@@ -5,6 +5,8 @@
 
 Both files sit inside the checkpoint directory and are written in the same atomic step as the weights
 (checkpoint.save_checkpoint), so a checkpoint and its trainer state can never come from different steps.
+Loading checks every tensor before setting anything (check_tensors): a damaged file is a one-line ValueError
+naming it and the tensor, not a failure at the first step. training/resume.py checks trainer.json.
 """
 from __future__ import annotations
 
@@ -65,9 +67,9 @@ def read_trainer_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
 
 
-def restore(optimizer: torch.optim.Optimizer, scheduler, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+def restore(optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
             path: str | Path) -> None:
-    """Load optimizer, scheduler and torch RNG state (trainer.json's `meta`, the tensors read from `path`).
+    """Load the optimizer and torch RNG state (trainer.json's `meta`, the tensors read from `path`).
 
     Everything is checked before anything is set: a bad file raises ValueError naming it and the tensor.
     """
@@ -77,7 +79,6 @@ def restore(optimizer: torch.optim.Optimizer, scheduler, meta: dict[str, Any], t
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"{Path(path).parent / JSON_NAME}: optimizer: does not fit the optimizer "
                          f"({type(error).__name__}: {error})") from None
-    scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(tensors["rng.torch"])
 
 
