@@ -1,0 +1,301 @@
+"""The operator inventory: every op the model dispatches, per layer type, on the meta device (docs/design.md §17).
+
+    inv = operator_inventory(ModelConfig.from_preset("k3-2.8t"), "prefill", tokens=4096)
+    inv.rows        # one OpRow per (layer type, op): count, shapes, dtypes, FLOPs, bytes, standard / custom
+    inv.table()     # top ops by FLOPs and by bytes
+
+How: the model is built on the meta device (no storage), its fused paths go through the custom ops
+(porting/swap.py), and a TorchDispatchMode records every op a forward dispatches, the module it came
+from (porting/module_path.py), its shapes and dtypes, FLOPs (torch.utils.flop_counter's registry,
+which porting/flops.py extends with our custom ops) and bytes (inputs read once, outputs written once;
+views move nothing; gathers and the grouped / sparse custom ops read only the rows they use, `BYTES_READ`). One representative block of each kind (attention type x dense / MoE FFN) runs, and
+its ops count once per layer of that kind: blocks of one kind dispatch the same ops on the same shapes
+(tests/test_porting_inventory.py checks it against a dispatch trace of every layer of a real run).
+Meta tensors have no values, so `bincount` (expert counts: one slot per expert) is answered by shape.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from latentmoe_lab.cache import DSALayerCache, KDALayerCache
+from latentmoe_lab.config import KDA, ModelConfig
+from latentmoe_lab.porting import flops as _flops  # noqa: F401  (registers the custom ops' FLOP formulas)
+from latentmoe_lab.porting.module_path import ModuleTracker, layer_type
+from latentmoe_lab.porting.swap import use_custom_ops
+
+PHASES = ("prefill", "decode")
+# What seed 000 calls custom work on a new accelerator: the KDA recurrence / chunk, top-k, index
+# gather / scatter, grouped GEMM and the sort-based permutation. Everything else (matmuls, elementwise,
+# reductions, views, copies) a vendor library already has.
+CUSTOM_WORK = {"latentmoe", "topk", "sort", "argsort", "gather", "scatter", "scatter_add", "scatter_", "index",
+               "index_select", "index_add", "index_add_", "index_put", "index_put_", "index_copy", "index_copy_",
+               "bincount", "_grouped_mm", "linalg_solve_triangular", "masked_scatter", "nonzero"}
+
+
+def op_name(func) -> str:
+    """torch.ops.aten.mm.default -> "aten.mm"; custom ops keep their namespace ("latentmoe.kda_chunk")."""
+    return func._overloadpacket._qualified_op_name.replace("::", ".")
+
+
+def op_kind(name: str) -> str:
+    """"custom" for the ops needing custom work on a new accelerator, else "standard"."""
+    namespace, _, base = name.partition(".")
+    return "custom" if namespace == "latentmoe" or base in CUSTOM_WORK else "standard"
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(tensors) -> int:
+    unique = {id(t): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one call from flop_counter's registry (ours included); 0 for ops it has no formula for."""
+    formula = flop_registry.get(func._overloadpacket)
+    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+
+
+def _gathered(out, *indices) -> int:
+    """A gather reads the rows it returns (and its indices), not the whole table."""
+    return _nbytes(_tensors(out)) + _nbytes([i for i in indices if isinstance(i, torch.Tensor)])
+
+
+def _grouped_read(x, w, offsets, *rest) -> int:
+    """A grouped GEMM reads x and the weights of at most min(E, M) experts (the ones that got rows)."""
+    experts = w.shape[0]
+    return _nbytes([x, offsets]) + w.numel() * w.element_size() * min(experts, x.shape[0]) // experts
+
+
+def _sparse_attention_read(q, k, v, indices, *rest) -> int:
+    """q, the indices and the selected key / value rows (one gather when v is k's leading channels)."""
+    rows = indices.numel() * k.shape[2]
+    value_is_key = v._base is not None and v._base is (k._base if k._base is not None else k)
+    return _nbytes([q, indices]) + rows * k.element_size() * (k.shape[-1] + (0 if value_is_key else v.shape[-1]))
+
+
+# Bytes read by ops that touch only part of an input; every other op reads each input once.
+BYTES_READ = {
+    "aten.embedding": lambda out, weight, indices, *rest: _gathered(out, indices),
+    "aten.index_select": lambda out, x, dim, index: _gathered(out, index),
+    "aten.gather": lambda out, x, dim, index, *rest: _gathered(out, index),
+    "aten.index": lambda out, x, indices: _gathered(out, *indices),
+    "latentmoe.grouped_matmul": lambda out, *args: _grouped_read(*args),
+    "latentmoe.grouped_swiglu": lambda out, *args: _grouped_read(*args),
+    "latentmoe.sparse_attention": lambda out, *args: _sparse_attention_read(*args),
+}
+
+
+def bytes_read(name: str, func, args, kwargs, out) -> int:
+    if func.is_view:
+        return 0
+    partial = BYTES_READ.get(name)
+    return partial(out, *args, **kwargs) if partial is not None else _nbytes(_tensors((args, kwargs)))
+
+
+@dataclass
+class OpCall:
+    """One dispatched op: where it ran, what it was called with, its cost."""
+
+    path: str
+    op: str
+    shapes: tuple
+    dtypes: tuple
+    flops: int
+    bytes_read: int
+    bytes_written: int
+
+
+class DispatchRecorder(TorchDispatchMode):
+    """Record every op dispatched inside the block (with the module path `tracker` reports)."""
+
+    def __init__(self, tracker: ModuleTracker | None = None):
+        super().__init__()
+        self.tracker, self.calls = tracker, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.bincount.default and args[0].is_meta:  # counts per expert: minlength slots
+            out = torch.empty(kwargs.get("minlength", args[2] if len(args) > 2 else 0), dtype=torch.int64,
+                              device="meta")
+        else:
+            out = func(*args, **kwargs)
+        inputs, name = _tensors((args, kwargs)), op_name(func)
+        self.calls.append(OpCall(
+            path=self.tracker.current if self.tracker else "", op=name,
+            shapes=tuple(tuple(t.shape) for t in inputs), dtypes=tuple(str(t.dtype).replace("torch.", "")
+                                                                      for t in inputs),
+            flops=op_flops(func, args, kwargs, out), bytes_read=bytes_read(name, func, args, kwargs, out),
+            bytes_written=0 if func.is_view else _nbytes(_tensors(out))))
+        return out
+
+
+@dataclass
+class OpRow:
+    """One (layer type, op) of the inventory, summed over its calls and layers."""
+
+    layer_type: str
+    op: str
+    kind: str
+    count: int = 0
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    shapes: list = field(default_factory=list)  # distinct input shapes, first few
+    dtypes: list = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+@dataclass
+class Inventory:
+    """The inventory of one forward: rows, and what it was taken of."""
+
+    preset: str
+    phase: str
+    tokens: int
+    context: int
+    rows: list[OpRow]
+
+    @property
+    def total_flops(self) -> int:
+        return sum(r.flops for r in self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    def flops_per_token(self) -> float:
+        return self.total_flops / self.tokens
+
+    def by_op(self) -> dict[str, OpRow]:
+        """Rows merged over layer types, keyed by op name."""
+        merged: dict[str, OpRow] = {}
+        for row in self.rows:
+            into = merged.setdefault(row.op, OpRow("all", row.op, row.kind))
+            into.count += row.count
+            into.flops += row.flops
+            into.bytes_read += row.bytes_read
+            into.bytes_written += row.bytes_written
+        return merged
+
+    def top(self, key: str = "flops", n: int = 10) -> list[OpRow]:
+        """The n ops (merged over layer types) with the most FLOPs or bytes."""
+        if key not in ("flops", "bytes"):
+            raise ValueError(f"key: must be 'flops' or 'bytes', got {key!r}")
+        ranked = sorted(self.by_op().values(), key=lambda r: getattr(r, key), reverse=True)
+        return [r for r in ranked if getattr(r, key)][:n]
+
+
+def aggregate(calls: list[OpCall], model, multiplier: dict[str, int] | None = None) -> list[OpRow]:
+    """Sum OpCalls into OpRows by (layer type, op); a call in block i counts multiplier[str(i)] times."""
+    rows: dict[tuple[str, str], OpRow] = {}
+    for call in calls:
+        kind = layer_type(call.path, model)
+        parts = call.path.split(".")
+        times = (multiplier or {}).get(parts[1], 1) if parts[0] == "layers" and len(parts) > 1 else 1
+        row = rows.setdefault((kind, call.op), OpRow(kind, call.op, op_kind(call.op)))
+        row.count += times
+        row.flops += times * call.flops
+        row.bytes_read += times * call.bytes_read
+        row.bytes_written += times * call.bytes_written
+        if call.shapes not in row.shapes and len(row.shapes) < 4:
+            row.shapes.append(call.shapes)
+        if call.dtypes not in row.dtypes and len(row.dtypes) < 4:
+            row.dtypes.append(call.dtypes)
+    return list(rows.values())
+
+
+def representative_blocks(config: ModelConfig) -> dict[int, int]:
+    """First layer index of each block kind (attention type, dense or MoE FFN) -> layers of that kind."""
+    first: dict[tuple[str, bool], int] = {}
+    counts: Counter = Counter()
+    for i in range(config.num_layers):
+        kind = (config.layer_types[i], config.is_moe_layer(i))
+        first.setdefault(kind, i)
+        counts[kind] += 1
+    return {index: counts[kind] for kind, index in first.items()}
+
+
+def _decode_cache(block, config: ModelConfig, batch: int, context: int, weight: torch.Tensor):
+    """A layer cache (zeros, on weight's device and dtype) holding `context` tokens, with room for one more
+    (so the traced step does not regrow it)."""
+    like = dict(device=weight.device, dtype=weight.dtype)
+    if block.attention_type == KDA:
+        kda = config.kda
+        return KDALayerCache(
+            conv_state=torch.zeros(batch, block.attn.conv_channels, kda.conv_kernel - 1, **like),
+            recurrent_state=torch.zeros(batch, kda.num_heads, kda.head_dim_k, kda.head_dim_v, device=weight.device))
+    mla, cache = config.mla, DSALayerCache()
+    cache.append(torch.zeros(batch, context + 1, mla.kv_lora_rank, **like),
+                 torch.zeros(batch, context + 1, mla.qk_rope_head_dim, **like),
+                 torch.zeros(batch, context + 1, config.indexer.head_dim, **like))
+    cache.latent, cache.k_rope, cache.index_keys = (t[:, :context] for t in
+                                                     (cache.latent, cache.k_rope, cache.index_keys))
+    return cache
+
+
+def _check_request(config: ModelConfig, phase: str, tokens: int, context: int) -> None:
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+    if phase not in PHASES:
+        raise ValueError(f"phase: must be one of {PHASES}, got {phase!r}")
+    for name, value, low in (("tokens", tokens, 1), ("context", context, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+    longest = context + (tokens if phase == "prefill" else 1)
+    if longest > config.max_position_embeddings:
+        raise ValueError(f"context: context + new tokens ({longest}) exceed max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+
+
+def trace_forward(model, phase: str, tokens: int, context: int, layers: dict[int, int] | None = None,
+                  ) -> list[OpCall]:
+    """Run embedding, the chosen blocks (all when layers is None), final norm and LM head under the recorder.
+
+    prefill: input [1, tokens] after `context` cached tokens; decode: [tokens, 1], each with `context`.
+    The model's parameters may be on the meta device or real; the inputs are made on the same device.
+    """
+    config = model.config
+    device = model.embed_tokens.weight.device
+    batch, length = (1, tokens) if phase == "prefill" else (tokens, 1)
+    input_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+    chosen = range(config.num_layers) if layers is None else sorted(layers)
+    caches = {i: _decode_cache(model.layers[i], config, batch, context, model.embed_tokens.weight)
+              if (phase == "decode" or context) else None
+              for i in chosen}
+    with torch.no_grad(), use_custom_ops(), ModuleTracker(model) as tracker, DispatchRecorder(tracker) as recorder:
+        x = model.embed_tokens(input_ids)
+        for i in chosen:
+            x = model.layers[i](x, caches[i])
+        model.lm_head(model.norm(x)).float()
+    return recorder.calls
+
+
+def operator_inventory(config: ModelConfig, phase: str = "prefill", tokens: int = 4096, context: int = 0,
+                       every_layer: bool = False, dtype: torch.dtype = torch.bfloat16) -> Inventory:
+    """The inventory of one forward of `config` built on the meta device (nothing is allocated).
+
+    dtype: the weights' and activations' storage (bf16, as deployed; routers, KDA state and softmax stay fp32).
+    every_layer: run all blocks instead of one per kind (slower at full scale; same result).
+    """
+    from latentmoe_lab.meta import build_meta_model
+
+    _check_request(config, phase, tokens, context)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+    model = build_meta_model(config).to(dtype)
+    layers = None if every_layer else representative_blocks(config)
+    calls = trace_forward(model, phase, tokens, context, layers)
+    multiplier = {str(i): n for i, n in (layers or {}).items()}
+    return Inventory(config.name, phase, tokens, context, aggregate(calls, model, multiplier))
