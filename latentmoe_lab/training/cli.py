@@ -89,10 +89,10 @@ def settings_from_args(args: argparse.Namespace, recorded: dict | None = None) -
     """The run's settings: the flags given, then (resuming) `recorded`, trainer.json's settings, then defaults."""
     given = {name: getattr(args, name) for name in INHERITED if name != "guard"}
     given["guard"] = None if args.no_guard is None else not args.no_guard
-    inherited = {name: recorded[name] for name in (*INHERITED, *NO_FLAG) if name in recorded} if recorded else {}
-    chosen = {name: inherited.get(name) for name in NO_FLAG if name in inherited}
+    recorded = recorded or {}
+    chosen = {name: recorded[name] for name in NO_FLAG if name in recorded}
     for name, value in given.items():
-        chosen[name] = value if value is not None else inherited.get(name, FRESH_DEFAULTS.get(name))
+        chosen[name] = value if value is not None else recorded.get(name, FRESH_DEFAULTS.get(name))
     chosen["preset"] = chosen["preset"] or FRESH_DEFAULTS["preset"]
     for name, default in PRESET_DEFAULTS[chosen["preset"]].items():
         chosen[name] = default if chosen[name] is None else chosen[name]
