@@ -11,7 +11,7 @@ LAB_ROOT_ARGS := $(if $(filter 0,$(shell id -u)),$(if $(filter --allow-root,$(LA
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lab clean notebooks
+.PHONY: setup demo model test lab clean notebooks
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,17 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/latentmoe-lab smoke
+	$(PY) -m latentmoe_lab.trained_model demo --checkpoint $(MODEL_DIR)
+
+# The trained model that `make demo` and `latentmoe-lab serve --config configs/service-cpu.yaml` use when it
+# exists: the mini preset trained on this interpreter's standard library, MODEL_STEPS steps on two processes of
+# one thread each (deterministic: one seed), then exported in bf16 with its training report and tokenizer files.
+MODEL_DIR ?= checkpoints/mini-stdlib
+MODEL_STEPS ?= 240
+model: $(STAMP)
+	$(VENV)/bin/latentmoe-lab train --preset mini --steps $(MODEL_STEPS) --warmup 20 --eval-every 80 --nproc 2 \
+		--threads 1 --out runs/mini-stdlib
+	$(PY) -m latentmoe_lab.trained_model export runs/mini-stdlib $(MODEL_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -32,7 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from latentmoe_lab.server.app import build_app
-    from latentmoe_lab.server.loading import load_model, with_checkpoint
+    from latentmoe_lab.server.loading import load_model, source_line, with_checkpoint
     from latentmoe_lab.server.settings import load_service_file
     from latentmoe_lab.server.worker import EngineWorker
 
@@ -45,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
     worker = EngineWorker(config, settings, lambda: load_model(config))
-    print(f"loading {config.model.preset or config.model.checkpoint} ...", file=sys.stderr, flush=True)
+    print(f"{source_line(config)}; loading ...", file=sys.stderr, flush=True)
     worker.start()
     try:
         uvicorn.run(build_app(worker, api_key), host=args.host, port=args.port, log_level="info")

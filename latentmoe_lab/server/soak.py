@@ -195,6 +195,7 @@ def soak_report(result: SoakResult, warmup: float, path: str):
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
+    from latentmoe_lab.server.loading import with_checkpoint
     from latentmoe_lab.server.settings import load_service_file
     from latentmoe_lab.server.threaded import free_port
 
@@ -209,6 +210,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if not 0 <= args.warmup < 1:
         raise ValueError(f"--warmup: must be in [0, 1), got {args.warmup}")
     config, _ = load_service_file(args.config)
+    config = with_checkpoint(config, None)  # the model, and so the name, that serve answers with
     server, url, api_key = None, args.url, "-"
     if url is None:
         port, api_key = free_port(), secrets.token_hex(16)  # nobody else on this machine can use our server

@@ -9,6 +9,8 @@ Four sections, the keys of the public example first, then ours where the example
                                    FP8, everything else bf16, as meta.py counts it; planning only on a CPU)
       preset                str    ours: a ModelConfig preset ("tiny", "small", "k3-2.8t")
       checkpoint            str    ours: a directory written by save_pretrained (exclusive with preset)
+      checkpoint_if_present str    ours: a save_pretrained directory `serve` runs instead of preset when it
+                                   exists (server/loading.py; needs preset, the model served without it)
       seed                  int    ours: seed of the random weights when a preset is built (default 0)
     parallel:
       tensor_parallel_size, expert_parallel_size, pipeline_parallel_size   int >= 1
@@ -65,6 +67,7 @@ class ModelSection:
     dtype: str = "fp32"
     preset: str | None = None
     checkpoint: str | None = None
+    checkpoint_if_present: str | None = None
     seed: int = 0
 
 
@@ -156,6 +159,9 @@ class ServiceConfig:
                f"must be an integer, got {m.seed!r}")
         _check(not (m.preset and m.checkpoint), "model.checkpoint",
                "give model.preset or model.checkpoint, not both")
+        _check(m.checkpoint_if_present is None or m.preset is not None, "model.checkpoint_if_present",
+               "needs model.preset, the model served while the directory does not exist")
+        _check(m.checkpoint_if_present != "", "model.checkpoint_if_present", "must not be empty (leave it out)")
         if m.preset is not None:
             from latentmoe_lab.config import PRESETS
 
