@@ -7,16 +7,42 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
 import sys
 import time
+from collections.abc import Collection
 
 from latentmoe_lab import __version__
 from latentmoe_lab.config import PRESETS, ModelConfig
 
-# What a bad flag, config or file raises anywhere below a subcommand: printed as one line, exit status 2
-# (as argparse does for bad syntax). `--debug` shows the traceback instead.
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+# Every subcommand, in the order `--help` lists them: the function that registers it (with the commands
+# registered next to it) and its one-line help. The top-level `--help`, `--version` and a mistyped command
+# are answered from this table alone, in well under a second; only the chosen command's module is imported
+# (most pull in torch). tests/test_hardening_cli.py checks these helps against the modules' own.
+COMMANDS = {
+    "smoke": ("latentmoe_lab.cli:add_smoke_parser",
+              "run a small preset end to end and report speed, load and cache bytes"),
+    "info": ("latentmoe_lab.cli:add_info_parser", "parameter and byte table of a preset"),
+    "parallel": ("latentmoe_lab.cli:add_parallel_parser", "run a parallel layout as local processes and check it"),
+    "train": ("latentmoe_lab.training.cli:add_parser", "train a preset on the Python standard library (byte tokens)"),
+    "align": ("latentmoe_lab.alignment.cli:add_parser",
+              "compare a candidate (dtype, backend, parallel layout) with the reference, tap by tap"),
+    "quantize": ("latentmoe_lab.quant.cli:add_parser",
+                 "quantize a saved model by a recipe and report bytes and held-out bits per byte"),
+    "serve": ("latentmoe_lab.server.cli:add_parser", "serve a model over an OpenAI-compatible HTTP API"),
+    "soak": ("latentmoe_lab.server.cli:add_parser",
+             "soak a server with mixed requests: RSS slope, drift, blocks == slots == 0 after drain"),
+    "profile": ("latentmoe_lab.profiling.cli:add_parser",
+                "chrome trace + HTML summary of one prefill/decode/train/engine step"),
+    "plan-service": ("latentmoe_lab.serving.cli:add_parser",
+                     "per-device memory plan of a service config (nothing is allocated)"),
+    "serve-bench": ("latentmoe_lab.serving.cli:add_parser",
+                    "run a synthetic workload through the serving engine and report latencies"),
+    "ops": ("latentmoe_lab.porting.cli:add_parser",
+            "operator inventory of a preset: ATen and custom ops per layer type, FLOPs and bytes (meta device)"),
+}
 
 
 def _progress_printer():
@@ -71,26 +97,15 @@ def cmd_parallel(args: argparse.Namespace) -> int:
     return 0 if report_ok(report) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from latentmoe_lab.parallel.runs import add_layout_arguments
+def add_smoke_parser(sub) -> None:
     from latentmoe_lab.smoke import DEFAULT_PROMPT
 
-    parser = argparse.ArgumentParser(
-        prog="latentmoe-lab",
-        description="LatentMoE Lab: a readable reproduction of a 2.8T hybrid-attention sparse MoE "
-                    "(Stable LatentMoE experts, 3 KDA : 1 Gated DSA attention).",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    presets = sorted(PRESETS)
-
-    smoke = sub.add_parser("smoke", help="run a small preset end to end and report speed, load and cache bytes",
+    smoke = sub.add_parser("smoke", help=COMMANDS["smoke"][1],
                            description="Build a preset with random weights, prefill a mixed image + text prompt, "
                                        "decode greedily, and print parameters, tokens/s, per-layer expert load "
                                        "(also split by text and image tokens) and cache bytes. Also writes a "
                                        "self-contained HTML report with plotly charts.")
-    smoke.add_argument("--preset", default="tiny", choices=[p for p in presets if p != "k3-2.8t"],
+    smoke.add_argument("--preset", default="tiny", choices=[p for p in sorted(PRESETS) if p != "k3-2.8t"],
                        help="model preset (default: tiny)")
     smoke.add_argument("--prompt", default=DEFAULT_PROMPT,
                        help="prompt text (byte-level tokens); the image goes at an '<image>' marker, else first")
@@ -104,34 +119,54 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--report", default="reports/smoke.html", help="HTML report path (default: %(default)s)")
     smoke.set_defaults(func=cmd_smoke)
 
-    info = sub.add_parser("info", help="parameter and byte table of a preset",
+
+def add_info_parser(sub) -> None:
+    info = sub.add_parser("info", help=COMMANDS["info"][1],
                           description="Count total and active-per-token parameters by component, and weight "
                                       "bytes per format, by building the preset on the meta device.")
-    info.add_argument("--preset", default="k3-2.8t", choices=presets, help="model preset (default: k3-2.8t)")
+    info.add_argument("--preset", default="k3-2.8t", choices=sorted(PRESETS), help="model preset (default: k3-2.8t)")
     info.add_argument("--json", action="store_true", help="print the counts as JSON")
     info.set_defaults(func=cmd_info)
 
-    par = sub.add_parser("parallel", help="run a parallel layout as local processes and check it",
+
+def add_parallel_parser(sub) -> None:
+    from latentmoe_lab.parallel.runs import add_layout_arguments
+
+    par = sub.add_parser("parallel", help=COMMANDS["parallel"][1],
                          description="Launch --nproc local processes (accelerate notebook_launcher, gloo on CPU), "
                                      "shard a small preset with the layout, and compare logits and greedy tokens "
                                      "with one process, and the collectives' bytes with the planner.")
     add_layout_arguments(par)
     par.add_argument("--nproc", type=int, default=None, help="processes; must equal ep*tp*pp*dp*cp (default)")
     par.set_defaults(func=cmd_parallel)
-    from latentmoe_lab.training.cli import add_parser as add_train_parser
-    add_train_parser(sub)
-    from latentmoe_lab.alignment.cli import add_parser as add_align_parser
-    add_align_parser(sub)
-    from latentmoe_lab.quant.cli import add_parser as add_quantize_parser
-    add_quantize_parser(sub)
-    from latentmoe_lab.server.cli import add_parser as add_server_parser
-    add_server_parser(sub)
-    from latentmoe_lab.profiling.cli import add_parser as add_profile_parser
-    add_profile_parser(sub)
-    from latentmoe_lab.serving.cli import add_parser as add_serving_parser
-    add_serving_parser(sub)
+
+
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser with the commands in `full` complete (all of them when None), the rest by name and help only."""
+    parser = argparse.ArgumentParser(
+        prog="latentmoe-lab",
+        description="LatentMoE Lab: a readable reproduction of a 2.8T hybrid-attention sparse MoE "
+                    "(Stable LatentMoE experts, 3 KDA : 1 Gated DSA attention).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    registrars = {COMMANDS[name][0] for name in (COMMANDS if full is None else full) if name in COMMANDS}
+    for name, (registrar, help_line) in COMMANDS.items():
+        if name in sub.choices:
+            continue  # registered along with an earlier command of the same module
+        if registrar in registrars:
+            module, function = registrar.split(":")
+            getattr(importlib.import_module(module), function)(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     _accept_debug_everywhere(sub)  # keep last: it reaches every subcommand registered above
     return parser
+
+
+def _chosen_command(argv: list[str]) -> str | None:
+    """The subcommand of argv: its first word that is not an option (the top-level options take no values)."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
 def _accept_debug_everywhere(subcommands) -> None:
@@ -144,15 +179,44 @@ def _accept_debug_everywhere(subcommands) -> None:
             pass  # the subcommand declares its own --debug
 
 
+# Out-of-memory errors that torch raises as RuntimeError: a size given by the user is larger than this machine.
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|not enough memory|out of memory|size calculation overflowed",
+                            re.IGNORECASE)
+
+
+def user_error_message(error: BaseException) -> str | None:
+    """One line for an error a user's flag, config or file caused; None for a bug (whose traceback is shown).
+
+    Bad values raise ValueError / TypeError (OverflowError for a number too large for C), a path that is
+    missing, a directory, unreadable or a device raises an OSError (named with its path), and a size
+    too large for the machine raises MemoryError or torch's allocator RuntimeError.
+    """
+    if isinstance(error, OSError) and error.filename is not None:
+        message = f"{error.filename}: {error.strerror or error}"
+    elif isinstance(error, (ValueError, TypeError, OverflowError, OSError)):
+        message = str(error) or type(error).__name__
+    elif isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and (
+            type(error).__name__ == "OutOfMemoryError" or _OUT_OF_MEMORY.search(str(error)))):
+        detail = str(error).split("DefaultCPUAllocator: ")[-1] or "MemoryError"
+        message = f"out of memory ({detail}): a size in the flags, config or checkpoint is too large for this machine"
+    elif isinstance(error, RecursionError):
+        message = f"input nested too deeply ({error})"
+    else:
+        return None
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser([_chosen_command(argv)])
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except USER_ERRORS as error:
-        if args.debug:
+    except Exception as error:  # user errors become one line; anything else is a bug: re-raised
+        message = user_error_message(error)
+        if message is None or args.debug:
             raise
-        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

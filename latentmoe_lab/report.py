@@ -48,8 +48,22 @@ def html_report(title: str, sections: Sequence[Section]) -> str:
             f"<h1>{html.escape(title)}</h1>{''.join(body)}</body></html>")
 
 
-def write_html_report(path: str | Path, title: str, sections: Sequence[Section]) -> Path:
+def check_report_path(path: str | Path, name: str = "path") -> Path:
+    """The path of a report file, refused (ValueError naming `name`, e.g. "--report") when it cannot be written:
+    empty, an existing directory, or under a file. Commands call it before their work, not after."""
+    if not str(path).strip():
+        raise ValueError(f"{name}: an HTML report path is required, got {str(path)!r}")
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{name}: {str(path)!r} is a directory; give a file path such as {str(path / 'report.html')!r}")
+    blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{name}: {str(path)!r} cannot be created, {str(blocking)!r} is a file, not a directory")
+    return path
+
+
+def write_html_report(path: str | Path, title: str, sections: Sequence[Section]) -> Path:
+    path = check_report_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(html_report(title, sections), encoding="utf-8")
     return path

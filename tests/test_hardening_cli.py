@@ -4,6 +4,7 @@ import importlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -233,3 +234,135 @@ def test_the_failure_report_names_root_causes_before_the_ranks_they_took_down(tm
         "parallel run failed: rank 0 was still running after the 30s timeout, in connect (gloo_wait.py:3) <- "
         "init_distributed (mesh.py:40) <- worker (work.py:7); rank 1 was stopped by the launcher after that failure")
     assert report(tmp_path / "e", 2, {}, 30) == "parallel run failed: the launcher failed before any rank started"
+
+
+# ---------------------------------------------------------------- fast start, one-line errors (second outside reviews)
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys\nfrom latentmoe_lab.cli import main\nfor argv in (['--version'], ['--help'], ['serv']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('heavy:', sorted(m for m in ('torch', 'plotly', 'latentmoe_lab.model') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().endswith("heavy: []"), done.stdout + done.stderr
+    assert "invalid choice: 'serv'" in done.stderr
+
+
+def test_the_lazy_parser_lists_what_the_full_one_does():
+    """The table behind `--help` says what each command's own module says."""
+    lazy, full = cli.build_parser([]), cli.build_parser()
+    assert lazy.format_help() == full.format_help()
+    for name, sub in full._subparsers._group_actions[0].choices.items():
+        assert name in cli.COMMANDS
+        assert sub.format_help() == cli.build_parser([name])._subparsers._group_actions[0].choices[name].format_help()
+
+
+USER_ERROR_LINES = {
+    "a directory": (IsADirectoryError(21, "Is a directory", "runs/x/model.safetensors"),
+                    "runs/x/model.safetensors: Is a directory"),
+    "no such device": (OSError(19, "No such device"), "[Errno 19] No such device"),
+    "permission": (PermissionError(13, "Permission denied", "/root/x"), "/root/x: Permission denied"),
+    "allocator": (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 40000000000000 bytes. Error code 12"),
+                  "out of memory (can't allocate memory: you tried to allocate 40000000000000 bytes. Error code 12)"),
+    "memory": (MemoryError(), "out of memory (MemoryError)"),
+    "overflow": (OverflowError("Python int too large to convert to C ssize_t"), "Python int too large"),
+    "two lines": (ValueError("model.block_size: bad\n  in line 3"), "model.block_size: bad in line 3"),
+}
+
+
+@pytest.mark.parametrize("name", USER_ERROR_LINES)
+def test_user_errors_print_one_line_and_exit_2(name, monkeypatch, capsys):
+    error, line = USER_ERROR_LINES[name]
+
+    def command(args):
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_info", command)
+    assert cli.main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"latentmoe-lab info: error: {line}"), err
+    with pytest.raises(type(error)):
+        cli.main(["info", "--debug"])
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug"), KeyError("exp_avg"), AssertionError()])
+def test_bugs_keep_their_traceback(error, monkeypatch):
+    monkeypatch.setattr(cli, "cmd_info", lambda args: (_ for _ in ()).throw(error))
+    assert cli.user_error_message(error) is None
+    with pytest.raises(type(error)):
+        cli.main(["info"])
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a command builds or loads a model."""
+    from latentmoe_lab.model import LatentMoEForCausalLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the flags were checked")
+
+    monkeypatch.setattr(LatentMoEForCausalLM, "__init__", refuse)
+    monkeypatch.setattr(LatentMoEForCausalLM, "from_pretrained", refuse)
+
+
+def _early_refusals(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    service = str(Path(__file__).resolve().parents[1] / "configs" / "service-cpu.yaml")
+    bench = ["serve-bench", "--config", service]
+    return {
+        "align threshold below the metric": (["align", "--candidate", "bf16", "--threshold", "rel_l2=-1"],
+                                             "--threshold: rel_l2 takes values in [0, inf], got -1.0"),
+        "align report is a directory": (["align", "--candidate", "bf16", "--report", str(tmp_path)],
+                                        f"--report: '{tmp_path}' is a directory"),
+        "align missing text": (["align", "--candidate", "bf16", "--text", str(tmp_path / "no.txt")], "--text"),
+        "align stride": (["align", "--candidate", "bf16", "--stride", "0"], "--stride, --max-tokens: must be >= 1"),
+        "bench requests": ([*bench, "--requests", "0"], "--requests: must be >= 1, got 0"),
+        "bench rate": ([*bench, "--rate", "nan"], "--rate: must be a finite number > 0"),
+        "bench tokens": ([*bench, "--max-tokens", "5000"], "--max-tokens: must be >= 1 and below"),
+        "bench report under a file": ([*bench, "--report", str(a_file / "x.html")], "is a file, not a directory"),
+        "profile device": (["profile", "--device", "nodevice"], "--device: Expected one of cpu"),
+        "profile out is a file": (["profile", "--out", str(a_file)], "--out:"),
+    }
+
+
+def test_flags_and_paths_are_refused_before_any_model_is_built(tmp_path, no_model, capsys):
+    for name, (argv, message) in _early_refusals(tmp_path).items():
+        assert cli.main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and "building" not in err, (name, err)
+
+
+def test_plan_service_refuses_an_unknown_preset_before_planning(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["plan-service", "configs/service-example.yaml", "--preset", "k3"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "invalid choice: 'k3'" in err and "planning" not in err
+
+
+def test_make_lab_keeps_allow_root_with_lab_args():
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["make", "-n", "-o", ".venv/.installed", "lab", "LAB_ARGS=--no-browser --port 8899"],
+                          cwd=root, capture_output=True, text=True, check=True)
+    command = done.stdout.strip().splitlines()[-1]
+    assert "--no-browser --port 8899" in command
+    assert ("--allow-root" in command) == (os.geteuid() == 0)
+
+
+def test_profiler_noise_is_held_back_and_real_lines_are_kept(capfd):
+    from latentmoe_lab.profiling.quiet import native_stderr_without
+
+    with native_stderr_without():
+        os.write(2, b"USDT:2026-12-02 04:40:56 14851:14851 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+                    b"[W1202 04:40:56.260431877 CPUAllocator.cpp:245] Memory block of unknown size was allocated "
+                    b"before the profiling started, profiler results will not include the deallocation event\n"
+                    b"a real warning\n")
+        print("stderr from Python", file=sys.stderr)
+    assert sorted(capfd.readouterr().err.splitlines()) == ["a real warning", "stderr from Python"]
+
+
+def test_profile_prints_a_summary_and_no_profiler_noise(tmp_path, capfd):
+    assert cli.main(["profile", "--prompt-len", "16", "--out", str(tmp_path)]) == 0
+    out, err = capfd.readouterr()
+    assert "tiny, prefill, batch 1, 16 tokens: the traced call took" in out
+    assert "time by component (exclusive): " in out and "heaviest ops (exclusive): aten::" in out
+    assert "USDT" not in err and "CPUAllocator" not in err

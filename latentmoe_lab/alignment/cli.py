@@ -74,21 +74,39 @@ def _reference(args):
     from latentmoe_lab.model import LatentMoEForCausalLM
 
     if args.checkpoint is not None:
-        if not Path(args.checkpoint).is_dir():
-            raise ValueError(f"--checkpoint: {args.checkpoint} is not a directory")
         return LatentMoEForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     torch.manual_seed(args.seed)
     return LatentMoEForCausalLM(ModelConfig.from_preset(args.preset)).eval()
 
 
-def _inputs(args, vocab_size: int) -> torch.Tensor:
+def _check_flags(args) -> None:
+    """Every flag that can be checked without the model, before it is loaded."""
+    from latentmoe_lab.alignment.compare import _resolve_thresholds
+    from latentmoe_lab.report import check_report_path
+
     if args.batch < 1 or args.seq_len < 1:
-        raise ValueError("--batch, --seq-len: must be >= 1")
+        raise ValueError(f"--batch, --seq-len: must be >= 1, got {args.batch} and {args.seq_len}")
+    if args.text is not None and not Path(args.text).is_file():
+        raise ValueError(f"--text: {args.text} is not a file")
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        raise ValueError(f"--checkpoint: {args.checkpoint} is not a directory")
+    if args.stride < 1 or (args.max_tokens is not None and args.max_tokens < 1):
+        raise ValueError(f"--stride, --max-tokens: must be >= 1, got {args.stride} and {args.max_tokens}")
+    try:
+        _resolve_thresholds(_thresholds(args.threshold))
+    except ValueError as error:
+        raise ValueError(str(error).replace("thresholds: ", "--threshold: ", 1)) from None
+    check_report_path(_report_path(args), "--report")
+
+
+def _report_path(args) -> str:
+    return args.report if args.report is not None else f"reports/align-{args.candidate}.html"
+
+
+def _inputs(args, vocab_size: int) -> torch.Tensor:
     need = args.batch * args.seq_len
     if args.text is None:
         return torch.randint(0, vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
-    if not Path(args.text).is_file():
-        raise ValueError(f"--text: {args.text} is not a file")
     data = Path(args.text).read_bytes()
     if len(data) < need:
         raise ValueError(f"--text: {args.text} holds {len(data)} bytes, --batch x --seq-len needs {need}")
@@ -135,6 +153,7 @@ def run_align(args: argparse.Namespace) -> int:
     from latentmoe_lab.alignment.compare import compare
     from latentmoe_lab.alignment.taps import TokenSubset
 
+    _check_flags(args)
     thresholds = _thresholds(args.threshold)
     model = _reference(args)
     device = torch.device("cuda" if args.candidate == "triton" and torch.cuda.is_available() else "cpu")
@@ -154,6 +173,6 @@ def run_align(args: argparse.Namespace) -> int:
                              f"not {args.candidate}")
         extra.append(bisect_layers(model, candidate, ids).table())
         print(extra[0])
-    path = report.to_html(args.report or f"reports/align-{args.candidate}.html", extra)
+    path = report.to_html(_report_path(args), extra)
     print(f"HTML report: {path}")
     return 0

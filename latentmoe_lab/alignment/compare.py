@@ -40,6 +40,10 @@ THRESHOLDS: dict[str, tuple[float, str]] = {
     "kl_max": (math.inf, "max"),
 }
 
+# The values a metric can take where they are not [0, inf): bounds outside them are refused.
+_METRIC_RANGES = {"cosine": (-1.0, 1.0), "top1_agreement": (0.0, 1.0), "routing_flips": (0.0, 1.0),
+                  "sqnr_db": (-math.inf, math.inf)}
+
 
 @dataclass
 class TapRow:
@@ -81,6 +85,9 @@ def _resolve_thresholds(thresholds: Mapping[str, float] | None) -> dict[str, tup
             raise ValueError(f"thresholds: unknown metric {name!r}; known: {sorted(THRESHOLDS)}")
         if not isinstance(bound, (int, float)) or isinstance(bound, bool) or math.isnan(bound):
             raise ValueError(f"thresholds: {name} needs a number, got {bound!r}")
+        low, high = _METRIC_RANGES.get(name, (0.0, math.inf))
+        if not low <= bound <= high:  # a bound outside the metric's values would flag, or pass, every tap
+            raise ValueError(f"thresholds: {name} takes values in [{low:g}, {high:g}], got {bound!r}")
         resolved[name] = (float(bound), THRESHOLDS[name][1])
     return resolved
 

@@ -78,11 +78,19 @@ def decoding_engine(model, batch: int, prompt_len: int, new_tokens: int = 64):
 
 def run(args: argparse.Namespace) -> int:
     from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
-    from latentmoe_lab.profiling.summary import write_trace_summary
-    from latentmoe_lab.profiling.trace import trace
+    from latentmoe_lab.profiling.summary import trace_summary, write_trace_summary
+    from latentmoe_lab.profiling.trace import load_chrome_trace, trace
+    from latentmoe_lab.report import check_report_path
 
     if args.batch < 1 or args.prompt_len < 1:
         raise ValueError(f"--batch and --prompt-len: need >= 1 each, got {args.batch} and {args.prompt_len}")
+    check_report_path(Path(args.out) / f"{args.preset}-{args.mode}.html", "--out")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:  # torch's own message lists the device types
+        raise ValueError(f"--device: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {args.device!r} needs a CUDA GPU, and torch sees none here")
     torch.manual_seed(args.seed)
     model = LatentMoEForCausalLM(ModelConfig.from_preset(args.preset)).to(args.device)
     if args.mode != "train":
@@ -91,7 +99,21 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     name = f"{args.preset}-{args.mode}"
     trace_path = trace(step, out / f"{name}.trace.json")
-    html = write_trace_summary(trace_path, out / f"{name}.html",
-                               f"Profile: {args.preset}, {args.mode}, batch {args.batch}, {args.prompt_len} tokens")
+    title = f"{args.preset}, {args.mode}, batch {args.batch}, {args.prompt_len} tokens"
+    html = write_trace_summary(trace_path, out / f"{name}.html", f"Profile: {title}")
+    print(terminal_summary(trace_summary(load_chrome_trace(trace_path)), title))
     print(f"trace: {trace_path}\nsummary: {html}")
     return 0
+
+
+def terminal_summary(summary: dict, title: str, top: int = 5) -> str:
+    """Three lines from profiling.summary.trace_summary: the call's time, the heaviest components and ops."""
+    wall = summary["wall_s"]
+
+    def ranked(items) -> str:
+        best = sorted(items, key=lambda item: item[1], reverse=True)[:top]
+        return ", ".join(f"{name} {seconds * 1e3:.2f} ms ({seconds / wall:.0%})" for name, seconds in best) or "none"
+
+    return (f"{title}: the traced call took {wall * 1e3:.2f} ms\n"
+            f"time by component (exclusive): {ranked(summary['components'].items())}\n"
+            f"heaviest ops (exclusive): {ranked(summary['top_ops'])}")

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from latentmoe_lab.profiling.quiet import PROFILER_NOISE, native_stderr_without
+
 PHASES = set("BEXIiCbneMPOND(sftRc")  # phases of the Trace Event Format
 
 
@@ -36,7 +38,7 @@ def trace(fn: Callable[[], object], path: str | Path, warmup: int = 1, profile_m
         fn()
     if on_cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities, profile_memory=profile_memory) as prof:
+    with native_stderr_without(PROFILER_NOISE), profile(activities=activities, profile_memory=profile_memory) as prof:
         fn()
         if on_cuda:
             torch.cuda.synchronize()

@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+
+from latentmoe_lab.config import PRESETS
 
 
 def add_parser(subparsers) -> None:
@@ -16,7 +19,7 @@ def add_parser(subparsers) -> None:
         description="Read a service YAML and print, per pipeline stage, one device's weights, activations and "
                     "paged caches (DSA blocks, KDA slots, prefix snapshots), and one full-length sequence's cache.")
     plan.add_argument("config", help="service YAML, e.g. configs/service-example.yaml")
-    plan.add_argument("--preset", default=None,
+    plan.add_argument("--preset", default=None, choices=sorted(PRESETS),
                       help="model preset to plan (default: model.preset of the config, else k3-2.8t)")
     plan.set_defaults(func=cmd_plan_service)
 
@@ -49,8 +52,9 @@ def cmd_plan_service(args: argparse.Namespace) -> int:
 
     service = ServiceConfig.from_yaml(args.config)
     preset = args.preset or service.model.preset or "k3-2.8t"
+    config = ModelConfig.from_preset(preset)
     _say(f"planning {preset} on the meta device (no memory is allocated)")
-    print(service_plan_text(service, ModelConfig.from_preset(preset)))
+    print(service_plan_text(service, config))
     return 0
 
 
@@ -75,6 +79,27 @@ def load_model(service):
     return model.to(dtypes[service.model.dtype]).eval()
 
 
+def check_bench_flags(args: argparse.Namespace, max_model_len: int) -> None:
+    """serve-bench's workload flags, named as typed, refused before the model is built."""
+    from latentmoe_lab.report import check_report_path
+
+    rules = (("--requests", args.requests >= 1, "must be >= 1"),
+             ("--rate", args.rate > 0 and math.isfinite(args.rate), "must be a finite number > 0 (per second)"),
+             ("--min-prompt", args.min_prompt >= 1, "must be >= 1"),
+             ("--max-prompt", args.max_prompt >= args.min_prompt, f"must be >= --min-prompt ({args.min_prompt})"),
+             ("--max-tokens", 1 <= args.max_tokens < max_model_len,
+              f"must be >= 1 and below the config's model.max_model_len ({max_model_len})"),
+             ("--image-fraction", 0 <= args.image_fraction <= 1, "must be in [0, 1]"),
+             ("--threads", args.threads is None or args.threads >= 1, "must be >= 1"))
+    for flag, holds, rule in rules:
+        if not holds:
+            raise ValueError(f"{flag}: {rule}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    if args.min_prompt > max_model_len - args.max_tokens:
+        raise ValueError(f"--min-prompt, --max-tokens: {args.min_prompt} + {args.max_tokens} tokens do not fit in "
+                         f"the config's model.max_model_len ({max_model_len})")
+    check_report_path(args.report, "--report")
+
+
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
@@ -86,9 +111,10 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     from latentmoe_lab.serving.workload import run_workload, synthetic_workload
     from latentmoe_lab.viz.serving import latency_histograms, timeline_figure
 
+    service = ServiceConfig.from_yaml(args.config)
+    check_bench_flags(args, service.model.max_model_len)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    service = ServiceConfig.from_yaml(args.config)
     _say(f"building {service.model.preset or service.model.checkpoint}")
     model = load_model(service)
     engine = Engine(model, service)
