@@ -23,9 +23,13 @@ continues from `context_len` tokens already in the paged pools (latentmoe_lab/pa
                                    batched decode); the rest, prompt chunks of any length, take the
                                    chunked forms. None: every one-token sequence (the runner passes it, so
                                    that a prompt's last token after a prefix hit sums as in a whole prompt)
+    logits_index   [R] | None      flat indices of the new tokens whose logits the model returns, in order;
+                                   None: each sequence's last new token (last_token_index, R = S). The engine
+                                   adds prompt positions of requests that asked for prompt logprobs
 
 All index tensors are int64 on the model's device. Every sequence has at least one new token. The model
-returns logits [S, vocab] fp32, one row per sequence at its last new token (see LatentMoEForCausalLM.forward).
+returns logits [R, vocab] fp32 at output_index: one row per sequence at its last new token unless
+logits_index says otherwise (see LatentMoEForCausalLM.forward).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class ForwardBatch:
     image_features: torch.Tensor | None = None
     image_mask: torch.Tensor | None = None
     decode: torch.Tensor | None = None
+    logits_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +81,11 @@ class ForwardBatch:
     def last_token_index(self) -> torch.Tensor:
         """[S]: index into the flat new tokens of each sequence's last new token (its logits sample)."""
         return self.query_start[1:] - 1
+
+    @property
+    def output_index(self) -> torch.Tensor:
+        """[R]: the flat new tokens whose logits the model returns (logits_index, else last_token_index)."""
+        return self.last_token_index if self.logits_index is None else self.logits_index
 
     @classmethod
     def from_sequences(cls, new_tokens: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
@@ -158,6 +168,10 @@ class ForwardBatch:
                              f"sequence at least one new token, got {self.query_start.tolist()}")
         if bool((self.context_len < 0).any()):
             raise ValueError("batch.context_len: must be >= 0")
+        if self.logits_index is not None and (
+                not isinstance(self.logits_index, torch.Tensor) or self.logits_index.dtype != torch.int64
+                or self.logits_index.dim() != 1 or bool(((self.logits_index < 0) | (self.logits_index >= total)).any())):
+            raise ValueError(f"batch.logits_index: expected int64 indices [R] into the {total} new tokens")
         owner = torch.repeat_interleave(torch.arange(seqs, device=self.positions.device), self.query_len)
         within = torch.arange(total, device=self.positions.device) - self.query_start[owner]
         if not torch.equal(self.positions, self.context_len[owner] + within):

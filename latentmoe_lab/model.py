@@ -137,7 +137,8 @@ class LatentMoEForCausalLM(nn.Module):
         A forward that does not finish (any exception, KeyboardInterrupt included) invalidates the cache.
         batch + pools (serving, docs/design.md §6.4; forward_batch.py): input_ids is batch.input_ids [1, total],
         the new tokens of S sequences continuing from the paged pools, which are updated in place. Then
-        logits is [S, vocab] fp32, one row per sequence at its last new token (only those are sampled);
+        logits is [R, vocab] fp32 at batch.output_index: one row per sequence at its last new token (only those
+        are sampled), then any prompt positions batch.logits_index adds;
         images come as batch.image_features (encode_images), not pixel_values.
         """
         if batch is not None or pools is not None:
@@ -199,7 +200,7 @@ class LatentMoEForCausalLM(nn.Module):
 
     def _forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch | None, pools: PagedPools | None,
                        **not_with_batch) -> CausalLMOutput:
-        """One serving step over the paged pools -> CausalLMOutput(logits [S, vocab] fp32, finite flags).
+        """One serving step over the paged pools -> CausalLMOutput(logits [R, vocab] fp32, finite flags).
 
         A step that raises part way leaves the KDA slots of its sequences advanced in the layers before
         the failure: the caller must not continue those sequences from their slots (recompute instead).
@@ -231,7 +232,7 @@ class LatentMoEForCausalLM(nn.Module):
         for i, block in enumerate(self.layers):
             x = block(x, batch=batch, pool=pools.layer(i))
             finite.append(all_finite(x))
-        last = self.norm(x[:, batch.last_token_index])  # [1, S, hidden]: norm and head are token-wise
+        last = self.norm(x[:, batch.output_index])  # [1, R, hidden]: norm and head are token-wise
         finite.append(all_finite(last))
         return CausalLMOutput(logits=self.lm_head(last).float()[0], finite=torch.stack(finite))
 

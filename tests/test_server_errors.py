@@ -13,7 +13,7 @@ from latentmoe_lab.server.threaded import start_service
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 256},
            "memory": {"max_num_seqs": 2, "block_size": 16, "cache_bytes": 2_000_000},
            "scheduler": {"max_batch_size": 3, "prefill_chunk_size": 64},
-           "server": {"max_body_bytes": 4096}}
+           "server": {"max_body_bytes": 8192}}
 OK = {"model": "tiny-test", "prompt": "hi", "max_tokens": 2}
 
 # (request body or raw bytes, path, expected param, expected code)
@@ -40,11 +40,29 @@ BAD = [
     ({**OK, "stop": 5}, "completions", "stop", "invalid_type"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "completions", "stop", "invalid_value"),
     ({**OK, "stream": "yes"}, "completions", "stream", "invalid_type"),
-    ({**OK, "n": 2}, "completions", "n", "invalid_value"),
-    ({**OK, "logprobs": 3}, "completions", "logprobs", "unsupported_field"),
+    ({**OK, "n": 0}, "completions", "n", "invalid_value"),
+    ({**OK, "n": 17}, "completions", "n", "invalid_value"),
+    ({**OK, "n": 3, "best_of": 2}, "completions", "best_of", "invalid_value"),
+    ({**OK, "n": 2, "best_of": 3, "stream": True}, "completions", "best_of", "invalid_value"),
+    ({**OK, "logprobs": 21}, "completions", "logprobs", "invalid_value"),
+    ({**OK, "stop": "x" * 257}, "completions", "stop", "invalid_value"),
+    ({**OK, "stop": ""}, "completions", "stop", "invalid_value"),
+    ({**OK, "suffix": "x"}, "completions", "suffix", "unsupported_field"),
+    ({**OK, "max_tokens": 255}, "completions", "max_tokens", "context_length_exceeded"),
+    ({**OK, "seed": 2**64}, "completions", "seed", "invalid_value"),
+    (b'{"model":"tiny-test","prompt":"hi","temperature":1e400}', "completions", "temperature", "invalid_value"),
+    ({**OK, "presence_penalty": 2.5}, "completions", "presence_penalty", "invalid_value"),
+    ({**OK, "logit_bias": {"99999": 1}}, "completions", "logit_bias", "invalid_value"),
+    ({**OK, "logit_bias": {"5": 101}}, "completions", "logit_bias", "invalid_value"),
+    ({**OK, "response_format": {"type": "json_object"}}, "completions", "response_format", "invalid_value"),
+    ({**OK, "stream_options": {"include_usage": True}}, "completions", "stream_options", "invalid_value"),
+    ({**OK, "user": 5}, "completions", "user", "invalid_type"),
+    (b'{"model":"tiny-test","prompt":"a\\ud800b","max_tokens":2}', "completions", "prompt", "invalid_text"),
+    (b'{"model":"tiny-test","prompt":"hi","max_tokens":1' + b"0" * 5000 + b"}", "completions", None, "invalid_json"),
+    (b'{"model":"tiny-test","prompt":"hi","\\udfff":1}', "completions", "request body", "invalid_text"),
     ({**OK, "model": "gpt-4"}, "completions", "model", "model_not_found"),
     ({**OK, "model": 3}, "completions", "model", "invalid_type"),
-    ({"model": "tiny-test", "prompt": "x" * 5000}, "completions", None, "body_too_large"),
+    ({"model": "tiny-test", "prompt": "x" * 9000}, "completions", None, "body_too_large"),
     ({"model": "tiny-test", "messages": []}, "chat/completions", "messages", "empty_prompt"),
     ({"model": "tiny-test", "messages": "hi"}, "chat/completions", "messages", "invalid_type"),
     ({"model": "tiny-test", "messages": [{"role": "robot", "content": "x"}]}, "chat/completions",
@@ -54,6 +72,14 @@ BAD = [
     ({"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "tools": []}, "chat/completions",
      "tools", "unsupported_field"),
     ({"model": "tiny-test", "prompt": "x"}, "chat/completions", "prompt", "unsupported_field"),
+    ({"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "echo": True}, "chat/completions",
+     "echo", "unsupported_field"),
+    ({"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "chat/completions",
+     "top_logprobs", "invalid_value"),
+    ({"model": "tiny-test", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+      "max_completion_tokens": 2}, "chat/completions", "max_completion_tokens", "invalid_value"),
+    (b'{"model":"tiny-test","messages":[{"role":"user","content":"a\\ud800"}]}', "chat/completions",
+     "messages[0].content", "invalid_text"),
 ]
 
 

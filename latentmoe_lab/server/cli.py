@@ -20,7 +20,10 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     serve.add_argument("--api-key", default=None,
-                       help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set)")
+                       help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set); "
+                            "visible in the process list, unlike --api-key-file")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from this file (its first line), so that it stays out of `ps`")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch threads of the forward (default: one per core, or with parallel.forward_process "
                             "one per core but one, which the server process keeps for its event loop and sampling)")
@@ -41,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, settings = load_service_file(args.config)
     config = with_checkpoint(config, args.checkpoint)
     config = _set_threads(config, args.threads)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = _api_key(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
     worker = EngineWorker(config, settings, lambda: load_model(config))
@@ -52,6 +55,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         worker.stop()
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, --api-key-file (its first line) or $LATENTMOE_API_KEY; ValueError naming the flag."""
+    if args.api_key_file is None:
+        return args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None:
+        raise ValueError("--api-key-file: give it or --api-key, not both")
+    if not os.path.isfile(args.api_key_file):  # a FIFO or a device would block the read
+        raise ValueError(f"--api-key-file: {args.api_key_file!r} is not a regular file")
+    try:
+        with open(args.api_key_file, encoding="utf-8") as handle:
+            key = handle.readline(4096).strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--api-key-file: cannot read {args.api_key_file!r} ({error})") from None
+    if not key:
+        raise ValueError(f"--api-key-file: {args.api_key_file!r} holds no key on its first line")
+    return key
 
 
 def _set_threads(config, threads: int | None):

@@ -1,17 +1,27 @@
 """Request JSON -> a checked request, or an APIError naming the field (docs/design.md §10).
 
-Fields taken (the OpenAI ones that make sense for this engine); any other field is refused by name:
+Fields taken (the README's table says, per field, what is supported and how); any other is refused by name:
 
-    model        str, required: the served name (model.name of the service file)
-    prompt       /v1/completions: a non-empty string (byte tokens) or a list of token ids
-    messages     /v1/chat/completions: [{"role": "system" | "user" | "assistant", "content": str or
-                 [{"type": "text", "text": str}, ...]}, ...], rendered by CHAT_TEMPLATE below
-    max_tokens   int >= 1 (default 16); capped by the room left under model.max_model_len
-    temperature  number >= 0 (default 1.0 as in the OpenAI API; 0 = greedy)
-    top_p        number in (0, 1];  top_k  int >= 1 or null;  seed  int >= 0 or null
-    stop         a string or a list of up to 4 non-empty strings; the text ends before the first one
-    stream       bool: server-sent events
-    n            1 only
+    model              str, required: the served name (model.name of the service file)
+    prompt             /v1/completions: a non-empty string (byte tokens) or a list of token ids
+    messages           /v1/chat/completions: [{"role": "system" | "user" | "assistant", "content": str or
+                       [{"type": "text", "text": str}, ...]}, ...], rendered by CHAT_TEMPLATE below
+    max_tokens         int >= 1 (completions: 0 with echo, to score the prompt only); chat also takes
+                       max_completion_tokens. Absent: the room left under max_model_len, at most
+                       server.default_max_tokens. prompt + max_tokens > max_model_len: 400 naming both
+    temperature        number >= 0 (default 1.0; below 1e-5 greedy, sampling.GREEDY_BELOW)
+    top_p              number in (0, 1];  top_k  int >= 1 or null;  seed  int in [0, 2^64) or null
+    presence_penalty, frequency_penalty   numbers in [-2, 2], over the generated tokens (sampling.py)
+    logit_bias         {"token id": bias in [-100, 100]}
+    stop               a string or a list of up to MAX_STOPS strings of 1..MAX_STOP_CHARS characters; the text
+                       ends before the stop string that completes first (stops.py)
+    n                  1..MAX_SAMPLES samples, each with its own generator (seed + i when seeded)
+    best_of            completions: n..MAX_SAMPLES samples, the n with the highest cumulative logprob returned
+    echo               completions: the prompt's text (and its logprobs) before the completion
+    logprobs           completions: int 0..20 (each token's logprob and that many alternatives);
+                       chat: bool, with top_logprobs int 0..20
+    stream             bool: server-sent events; stream_options {"include_usage": bool}: a last usage chunk
+    response_format    {"type": "text"} only;  user  str, ignored
 
 The chat template, one line per turn, then the assistant's cue (a base model, so plain and byte-exact):
 
@@ -19,25 +29,48 @@ The chat template, one line per turn, then the assistant's cue (a base model, so
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 
 from latentmoe_lab.server.errors import bad_request
+from latentmoe_lab.server.fields import boolean, integer, json_type, number, text
 from latentmoe_lab.serving import SamplingParams
+from latentmoe_lab.serving.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, SEED_LIMIT
 
-COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n")
-FIELDS = {"completion": COMMON_FIELDS + ("prompt",), "chat": COMMON_FIELDS + ("messages",)}
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+                 "n", "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user")
+FIELDS = {"completion": COMMON_FIELDS + ("prompt", "echo", "logprobs", "best_of"),
+          "chat": COMMON_FIELDS + ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
+REFUSED = {"suffix": "this server has no fill-in-the-middle (insert) mode",
+           "tools": "this server has no tool calling", "functions": "this server has no tool calling"}
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256  # the stop matcher's work per token grows with this (stops.py)
+MAX_SAMPLES = 16
 
 
 @dataclass(frozen=True)
 class ParsedRequest:
+    """samples: one SamplingParams per engine request (best_of of them; each scores the prompt when echo
+    asks for logprobs); logprobs: alternatives per token, None = no logprobs in the answer."""
+
     kind: str  # "completion" or "chat"
     prompt_ids: list[int]
     params: SamplingParams
     stops: tuple[str, ...]
     stream: bool
+    n: int = 1
+    best_of: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    include_usage: bool = False
+
+    @property
+    def samples(self) -> list[SamplingParams]:
+        """Sample i draws from its own generator, seeded seed + i when seeded (the request id otherwise)."""
+        seed = self.params.seed
+        return [dataclasses.replace(self.params, seed=None if seed is None else (seed + i) % SEED_LIMIT)
+                for i in range(self.best_of)]
 
 
 def render_chat(messages: list[dict]) -> str:
@@ -46,19 +79,21 @@ def render_chat(messages: list[dict]) -> str:
     return "".join(turns) + "<|assistant|>\n"
 
 
-def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model_len: int) -> ParsedRequest:
+def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model_len: int,
+                  default_max_tokens: int = 256) -> ParsedRequest:
     if not isinstance(body, dict):
-        raise bad_request(f"request body: expected a JSON object, got {_json_type(body)}", None, "invalid_type")
+        raise bad_request(f"request body: expected a JSON object, got {json_type(body)}", None, "invalid_type")
     for name in body:
         if name not in FIELDS[kind]:
-            raise bad_request(f"{name}: this server does not support the field {name!r}; supported: "
-                              f"{', '.join(FIELDS[kind])}", name, "unsupported_field")
+            why = REFUSED.get(name, "this server does not support the field")
+            raise bad_request(f"{text(name, 'request body')[:100]}: {why}; supported: {', '.join(FIELDS[kind])}",
+                              name[:100], "unsupported_field")
     model = body.get("model")
     if not isinstance(model, str):
         raise bad_request(f"model: required, a string naming the served model ({served_model!r})", "model",
                           "invalid_type" if "model" in body else "missing")
     if model != served_model:
-        raise bad_request(f"model: unknown model {model!r}; this server serves {served_model!r}", "model",
+        raise bad_request(f"model: unknown model {model[:100]!r}; this server serves {served_model!r}", "model",
                           "model_not_found")
     if kind == "completion":
         prompt_ids = _prompt_ids(body.get("prompt"), "prompt" in body, vocab_size)
@@ -68,19 +103,111 @@ def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model
     if len(prompt_ids) >= max_model_len:
         raise bad_request(f"{field}: {len(prompt_ids)} tokens leave no room to generate under max_model_len "
                           f"({max_model_len})", field, "context_length_exceeded")
-    n = _integer(body, "n", 1, minimum=1)
-    if n != 1:
-        raise bad_request(f"n: only n=1 is served, got {n}", "n")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request(f"stream: expected true or false, got {_json_type(stream)}", "stream", "invalid_type")
+    echo = boolean(body, "echo", False)
+    stream = boolean(body, "stream", False)
+    n = integer(body, "n", 1, 1, MAX_SAMPLES)
+    best_of = integer(body, "best_of", n, 1, MAX_SAMPLES)
+    if best_of < n:
+        raise bad_request(f"best_of: must be >= n ({n}), got {best_of}", "best_of")
+    if stream and best_of != n:
+        raise bad_request("best_of: with stream, best_of must equal n (the best are known only at the end)",
+                          "best_of")
+    logprobs = _logprobs(body, kind)
+    max_tokens = _max_tokens(body, kind, echo, len(prompt_ids), max_model_len, default_max_tokens)
+    _response_format(body.get("response_format"))
+    if "user" in body and not isinstance(body["user"], str):
+        raise bad_request(f"user: expected a string, got {json_type(body['user'])}", "user", "invalid_type")
     params = SamplingParams(
-        max_tokens=_integer(body, "max_tokens", 16, minimum=1),
-        temperature=_number(body, "temperature", 1.0, lambda x: x >= 0, ">= 0"),
-        top_p=_number(body, "top_p", 1.0, lambda x: 0 < x <= 1, "in (0, 1]"),
-        top_k=_integer(body, "top_k", None, minimum=1),
-        seed=_integer(body, "seed", None, minimum=0))
-    return ParsedRequest(kind, prompt_ids, params, _stops(body.get("stop")), bool(stream))
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", 1.0, 0.0),
+        top_p=_top_p(body),
+        top_k=integer(body, "top_k", None, 1),
+        seed=integer(body, "seed", None, 0, SEED_LIMIT - 1),
+        presence_penalty=number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
+        # a sample's own logprobs: asked for, or needed to rank best_of samples
+        logprobs=logprobs if logprobs is not None or best_of == n else 0,
+        prompt_logprobs=logprobs if echo else None)
+    return ParsedRequest(kind, prompt_ids, params, _stops(body.get("stop")), stream, n, best_of, echo, logprobs,
+                         _include_usage(body.get("stream_options"), stream))
+
+
+def _max_tokens(body: dict, kind: str, echo: bool, prompt_len: int, max_model_len: int, default: int) -> int:
+    name = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            raise bad_request("max_completion_tokens: give it or max_tokens, not both", "max_completion_tokens")
+        name = "max_completion_tokens"
+    room = max_model_len - prompt_len
+    value = integer(body, name, None, 0 if echo else 1)
+    if value is None:
+        return min(room, default)
+    if value > room:
+        raise bad_request(f"{name}: the prompt's {prompt_len} tokens + {name} {value} = {prompt_len + value} "
+                          f"exceed max_model_len ({max_model_len})", name, "context_length_exceeded")
+    return value
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    if kind == "completion":
+        return integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    wanted = boolean(body, "logprobs", False)
+    top = integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _top_p(body: dict) -> float:
+    value = number(body, "top_p", 1.0, 0.0, 1.0)
+    if value == 0:
+        raise bad_request("top_p: must be in (0, 1], got 0", "top_p")
+    return value
+
+
+def _logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad_request(f"logit_bias: expected an object {{token id: bias}}, got {json_type(bias)}", "logit_bias",
+                          "invalid_type")
+    out = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10 else -1
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key[:20]!r}",
+                              "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise bad_request(f"logit_bias: the bias of token {token} must be a number in [-{MAX_BIAS:g}, "
+                              f"{MAX_BIAS:g}]", "logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
+def _response_format(value) -> None:
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind != "text" or len(value) != 1:
+        shown = kind if isinstance(kind, str) else json_type(value)
+        raise bad_request(f"response_format: only {{'type': 'text'}} is served (no JSON mode), got {shown[:50]!r}",
+                          "response_format")
+
+
+def _include_usage(options, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options: only with stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request(f"stream_options: expected an object, got {json_type(options)}", "stream_options",
+                          "invalid_type")
+    for key in options:
+        if key != "include_usage":
+            raise bad_request(f"stream_options.{key[:50]}: unsupported; supported: include_usage",
+                              f"stream_options.{key[:50]}", "unsupported_field")
+    return boolean(options, "include_usage", False)
 
 
 def _prompt_ids(prompt, given: bool, vocab_size: int) -> list[int]:
@@ -89,9 +216,9 @@ def _prompt_ids(prompt, given: bool, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt: empty", "prompt", "empty_prompt")
-        return list(prompt.encode("utf-8"))
+        return list(text(prompt, "prompt").encode("utf-8"))
     if not isinstance(prompt, list):
-        raise bad_request(f"prompt: expected a string or a list of token ids, got {_json_type(prompt)}", "prompt",
+        raise bad_request(f"prompt: expected a string or a list of token ids, got {json_type(prompt)}", "prompt",
                           "invalid_type")
     if not prompt:
         raise bad_request("prompt: empty", "prompt", "empty_prompt")
@@ -107,20 +234,20 @@ def _messages(messages, given: bool) -> list[dict]:
     if not given or messages is None:
         raise bad_request("messages: required, a list of {role, content}", "messages", "missing")
     if not isinstance(messages, list):
-        raise bad_request(f"messages: expected a list, got {_json_type(messages)}", "messages", "invalid_type")
+        raise bad_request(f"messages: expected a list, got {json_type(messages)}", "messages", "invalid_type")
     if not messages:
         raise bad_request("messages: empty", "messages", "empty_prompt")
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise bad_request(f"{where}: expected an object, got {_json_type(message)}", where, "invalid_type")
+            raise bad_request(f"{where}: expected an object, got {json_type(message)}", where, "invalid_type")
         extra = sorted(set(message) - {"role", "content", "name"})
         if extra:
-            raise bad_request(f"{where}.{extra[0]}: unsupported message field", f"{where}.{extra[0]}",
-                              "unsupported_field")
+            name = text(extra[0], where)[:50]
+            raise bad_request(f"{where}.{name}: unsupported message field", f"{where}.{name}", "unsupported_field")
         if message.get("role") not in CHAT_ROLES:
-            raise bad_request(f"{where}.role: must be one of {list(CHAT_ROLES)}, got {message.get('role')!r}",
+            raise bad_request(f"{where}.role: must be one of {list(CHAT_ROLES)}, got {str(message.get('role'))[:50]!r}",
                               f"{where}.role")
         out.append({"role": message["role"], "content": _content(message.get("content"), f"{where}.content")})
     if not any(m["content"] for m in out):
@@ -130,16 +257,16 @@ def _messages(messages, given: bool) -> list[dict]:
 
 def _content(content, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return text(content, where)
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(f"{where}[{j}]: only text parts {{'type': 'text', 'text': str}} are served",
                                   f"{where}[{j}]", "invalid_type")
-            texts.append(part["text"])
+            texts.append(text(part["text"], f"{where}[{j}].text"))
         return "".join(texts)
-    raise bad_request(f"{where}: expected a string or a list of text parts, got {_json_type(content)}", where,
+    raise bad_request(f"{where}: expected a string or a list of text parts, got {json_type(content)}", where,
                       "invalid_type")
 
 
@@ -148,36 +275,8 @@ def _stops(stop) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad_request(f"stop: expected a string or a list of strings, got {_json_type(stop)}", "stop",
+        raise bad_request(f"stop: expected a string or a list of strings, got {json_type(stop)}", "stop",
                           "invalid_type")
-    if len(stops) > MAX_STOPS or any(not s for s in stops):
-        raise bad_request(f"stop: at most {MAX_STOPS} non-empty strings", "stop")
+    if len(stops) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"stop: at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters each", "stop")
     return tuple(stops)
-
-
-def _integer(body: dict, name: str, default, minimum: int):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name}: expected an integer, got {_json_type(value)}", name, "invalid_type")
-    if value < minimum:
-        raise bad_request(f"{name}: must be >= {minimum}, got {value}", name)
-    return value
-
-
-def _number(body: dict, name: str, default: float, ok, rule: str) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"{name}: expected a number, got {_json_type(value)}", name, "invalid_type")
-    if not math.isfinite(value) or not ok(value):
-        raise bad_request(f"{name}: must be {rule}, got {value}", name)
-    return float(value)
-
-
-def _json_type(value) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)

@@ -15,6 +15,11 @@ A fifth, optional section belongs to the HTTP service and is taken off before Se
       step_timeout_s      float > 0  a step running longer counts as a silent engine: restarted (default 120)
       max_body_bytes      int >= 1   request bodies past this get HTTP 400 (default 1 MiB)
       request_timeout_s   float > 0  a request still unfinished after this is aborted with an error (default 600)
+      body_timeout_s      float > 0  a request body not fully received after this gets HTTP 408 and the
+                                     connection is closed (slow or stalled uploads; default 30)
+      health_stall_s      float > 0  /health answers 503 "stalled" while a step has run longer (default 15)
+      default_max_tokens  int >= 1   max_tokens of a request that gives none: the room left under
+                                     max_model_len, at most this (default 256)
 """
 from __future__ import annotations
 
@@ -34,8 +39,14 @@ class ServerSettings:
     step_timeout_s: float = 120.0
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 600.0
+    body_timeout_s: float = 30.0
+    health_stall_s: float = 15.0
+    default_max_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if isinstance(self.default_max_tokens, bool) or not isinstance(self.default_max_tokens, int) \
+                or self.default_max_tokens < 1:
+            raise ValueError(f"server.default_max_tokens: must be an integer >= 1, got {self.default_max_tokens!r}")
         for name in ("max_retries", "max_restarts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -43,7 +54,7 @@ class ServerSettings:
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
                 or self.max_body_bytes < 1:
             raise ValueError(f"server.max_body_bytes: must be an integer >= 1, got {self.max_body_bytes!r}")
-        for name in ("step_timeout_s", "request_timeout_s"):
+        for name in ("step_timeout_s", "request_timeout_s", "body_timeout_s", "health_stall_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"server.{name}: must be a finite number of seconds > 0, got {value!r}")

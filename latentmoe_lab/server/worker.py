@@ -54,12 +54,15 @@ STOP_TIMEOUT_S = 30
 
 @dataclass(frozen=True)
 class Event:
-    """What a request's deliver callback gets: new token ids, or the end (finish_reason, error)."""
+    """What a request's deliver callback gets: new token ids (with their logprobs when asked for; the prompt's
+    logprobs once, before or with its first token), or the end (finish_reason, error)."""
 
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 @dataclass(eq=False)
@@ -74,6 +77,7 @@ class _Request:
     retries: int = 0
     engine_id: int | None = None
     aborted: bool = False
+    prompt_logprobs_sent: bool = False
 
     def resumed(self) -> tuple[list[int], SamplingParams]:
         """Prompt + tokens so far, and the params for the rest (recompute after a failure)."""
@@ -81,7 +85,7 @@ class _Request:
             return self.prompt_ids, self.params
         seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + len(self.generated)) % 2**63
         params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(self.generated),
-                                     seed=seed)
+                                     seed=seed, prompt_logprobs=None)  # those went out with the first token
         return self.prompt_ids + self.generated, params
 
 
@@ -135,6 +139,20 @@ class EngineWorker:
 
     def alive(self) -> bool:
         return not self.gave_up and self._thread is not None and self._thread.is_alive()
+
+    def health_problem(self) -> str | None:
+        """Why the service cannot serve right now (for /health), or None: restarts exhausted, no engine thread,
+        a step running past server.health_stall_s, or a forward worker process stopped or gone."""
+        if self.gave_up:
+            return f"restarts exhausted (server.max_restarts {self.settings.max_restarts})"
+        if not self.alive():
+            return "the engine thread is not running (the watchdog restarts it)"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.settings.health_stall_s:
+            return (f"stalled: a step has run for {time.monotonic() - started:.1f} s "
+                    f"(server.health_stall_s {self.settings.health_stall_s:g})")
+        down = self.engine.runner.unavailable_workers()
+        return None if not down else f"forward worker {down[0]}"
 
     # -------------------------------------------------------------- HTTP side
     def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> Future:
@@ -245,12 +263,16 @@ class EngineWorker:
         request = self._by_engine_id.get(out.request_id)
         if request is None:
             return
-        if out.new_token_ids:
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = out.prompt_logprobs, True
+        if out.new_token_ids or prompt_logprobs is not None:
             now = time.monotonic()
             request.generated += out.new_token_ids
             request.token_times += [now] * len(out.new_token_ids)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
-            request.deliver(Event(list(out.new_token_ids)))
+            logprobs = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if out.logprobs else []
+            request.deliver(Event(list(out.new_token_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         if out.finished:
             del self._by_engine_id[out.request_id]
             self._finish(request, out.finish_reason, out.error)

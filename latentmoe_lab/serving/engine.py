@@ -42,7 +42,8 @@ from latentmoe_lab.serving.failures import StepError, settle_failed_step
 from latentmoe_lab.serving.inputs import prompt_inputs
 from latentmoe_lab.serving.invariance import batch_invariant_grid
 from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
-from latentmoe_lab.serving.model_runner import ModelRunner
+from latentmoe_lab.serving.logprobs import TokenLogprob, token_logprobs
+from latentmoe_lab.serving.model_runner import ModelRunner, record_prompt_logprobs
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
 from latentmoe_lab.serving.pipeline_stage import plan_stages
 from latentmoe_lab.serving.planner import allocate_pools, plan_cache
@@ -67,6 +68,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "length", "stop", "abort" or "error"
     error: str | None = None
     metrics: RequestMetrics | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, with params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., with params.prompt_logprobs
 
 
 class Engine:
@@ -121,8 +124,10 @@ class Engine:
         if len(ids) >= limit:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate under model.max_model_len "
                              f"({limit})")
-        if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: ids must be < vocab_size ({self.model_config.vocab_size})")
+        for name, ids_given in (("stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(t >= self.model_config.vocab_size for t in ids_given):
+                raise ValueError(f"{name}: token ids must be < vocab_size ({self.model_config.vocab_size})")
         seq = Sequence(self._next_id, ids, params, images, max_tokens=min(params.max_tokens, limit - len(ids)))
         self._next_id += 1
         self._sequences[seq.request_id] = seq
@@ -178,14 +183,18 @@ class Engine:
         self.scheduler.finish_step(batch, sampled)
         now = time.monotonic()
         for seq, _ in batch.entries:
-            if seq.request_id not in sampled:
-                continue
-            seq.token_times.append(now)
-            if seq.status is Status.FINISHED:
-                outputs.append(self._finished_output(seq, now, [seq.token_ids[-1]]))
+            if seq.request_id in sampled:
+                seq.token_times.append(now)
+                new = [seq.token_ids[-1]]
+            elif seq.max_tokens == 0 and seq.status is Status.FINISHED and seq.finish_reason == "length":
+                new = []  # a prompt-only request, done
             else:
-                outputs.append(RequestOutput(seq.request_id, seq.prompt_ids, seq.generated_ids,
-                                             [seq.token_ids[-1]]))
+                continue
+            out = (self._finished_output(seq, now, new) if seq.status is Status.FINISHED
+                   else RequestOutput(seq.request_id, seq.prompt_ids, seq.generated_ids, new))
+            out.logprobs = list(seq.logprobs)
+            out.prompt_logprobs = None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs)
+            outputs.append(out)
         self._steps += 1
         self.log.steps.append(StepRecord(
             time=now, duration=now - start, schedule_time=schedule_time, prefill_tokens=prefill,
@@ -197,9 +206,10 @@ class Engine:
 
     def _sample(self, batch, output, outputs: list[RequestOutput]) -> dict[int, int]:
         """request id -> its next token, for the entries that emit; a non-finite row fails its request alone."""
-        sampled = {}
-        logits = output.logits.float()
+        sampled, new_logprobs = {}, []
+        logits = output.logits.float()[:len(batch.entries)]  # then the prompt positions (model_runner.py)
         finite = torch.isfinite(logits).all(dim=-1).tolist()
+        record_prompt_logprobs(batch, output.logits[len(batch.entries):])
         # a failure part way must not leave some generators advanced: the recompute samples again
         states = [(seq.generator, seq.generator.get_state()) for (seq, _), emits in zip(batch.entries, batch.emits())
                   if emits]
@@ -209,12 +219,16 @@ class Engine:
                     where = first_non_finite(getattr(output, "finite", None), self.model_config.layer_types)
                     outputs.append(self._fail(seq, f"logits: non-finite for this request (first non-finite at "
                                                    f"{where}); the other requests go on"))
-                elif emits:
-                    sampled[seq.request_id] = sample_token(row, seq.params, seq.generator)
+                elif emits and seq.max_tokens > 0:
+                    token = sampled[seq.request_id] = sample_token(row, seq.params, seq.generator, seq.generated_ids)
+                    if seq.params.logprobs is not None:
+                        new_logprobs += [(seq, *token_logprobs(row[None], [token], seq.params.logprobs))]
         except Exception:
             for generator, state in states:
                 generator.set_state(state)
             raise
+        for seq, logprob in new_logprobs:  # only once every row sampled: a retried step appends nothing twice
+            seq.logprobs.append(logprob)
         return sampled
 
     def _step_failed(self, batch, error: Exception, outputs: list[RequestOutput]) -> StepError:

@@ -14,8 +14,10 @@ For S scheduled sequences with n_i new tokens each, the new tokens go back to ba
                                   prefix hit, runs as a one-token chunk instead)
     image_features [P, hidden]    rows of each sequence's (once-computed) vision features for the image
                                   placeholders inside its chunk, in token order; image_mask [total] marks them
+    logits_index   [S + P] | None each sequence's last new token, then the P prompt positions whose logits
+                                  requests with prompt_logprobs still need (prompt_logit_positions); None if P = 0
 
-The model returns logits [S, vocab] at each sequence's last new token.
+The model returns logits [S + P, vocab]: row i at sequence i's last new token, then the prompt positions.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.ops.batch_invariant import batch_invariant_mode
+from latentmoe_lab.serving.logprobs import token_logprobs
 from latentmoe_lab.serving.scheduler import ScheduledBatch
 from latentmoe_lab.serving.sequence import Sequence
 
@@ -39,6 +42,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.last_build_time = 0.0  # seconds the last run spent building ForwardBatch metadata
+
+    def unavailable_workers(self) -> list[str]:
+        """Forward worker processes that are stopped or gone, described (none: the forward runs here)."""
+        return []
 
     def encode_images(self, seq: Sequence) -> None:
         """Vision features of the whole prompt, once per request (kept across chunks and preemptions)."""
@@ -75,7 +82,11 @@ class ModelRunner:
         def ids(values):
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+        extra = [starts[index] + position - seq.num_computed
+                 for index, seq, first, count in prompt_logit_positions(batch)
+                 for position in range(first, first + count)]
         return ForwardBatch(
+            logits_index=ids([s - 1 for s in starts[1:]] + extra) if extra else None,
             input_ids=ids(tokens)[None], positions=ids(positions), query_start=ids(starts),
             context_len=ids(contexts), state_slot=ids(slots), block_table=block_table.to(self.device),
             slot_mapping=ids(slot_mapping),
@@ -96,6 +107,29 @@ class ModelRunner:
         self.last_build_time = time.monotonic() - start
         with batch_invariant_mode() if self.batch_invariant else contextlib.nullcontext():
             return self.model(forward_batch.input_ids, batch=forward_batch, pools=self.pools)
+
+
+def prompt_logit_positions(batch: ScheduledBatch) -> list[tuple[int, Sequence, int, int]]:
+    """(entry index, sequence, first position, count): the prompt positions of this step whose logits a
+    request with prompt_logprobs has not recorded yet (position p scores prompt token p + 1)."""
+    out = []
+    for index, (seq, n) in enumerate(batch.entries):
+        if seq.needs_prompt_logits:
+            first = max(seq.num_computed, len(seq.prompt_logprobs))
+            end = min(seq.num_computed + n, len(seq.prompt_ids) - 1)
+            if end > first:
+                out.append((index, seq, first, end - first))
+    return out
+
+
+def record_prompt_logprobs(batch: ScheduledBatch, prompt_rows: torch.Tensor) -> None:
+    """prompt_rows [P, vocab]: the logits rows past the S sampling rows, in prompt_logit_positions order;
+    appends each sequence's prompt logprobs (position p scores prompt token p + 1)."""
+    row = 0
+    for _, seq, first, count in prompt_logit_positions(batch):
+        targets = seq.prompt_ids[first + 1:first + 1 + count]
+        seq.prompt_logprobs += token_logprobs(prompt_rows[row:row + count], targets, seq.params.prompt_logprobs)
+        row += count
 
 
 def _placeholder_mask(seq: Sequence, start: int, end: int) -> list[bool]:

@@ -99,6 +99,19 @@ def _children_without_main():
         sys.modules["__main__"] = main
 
 
+def _process_state(process) -> str | None:
+    """'exited' or 'stopped' from Linux /proc (state Z / gone, T / t), None while it runs or sleeps. Read from
+    /proc, not is_alive(): that reads the forkserver sentinel, which another thread may be reading."""
+    try:
+        with open(f"/proc/{process.pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "exited"
+    except (OSError, IndexError):
+        return None
+    return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(state)
+
+
 class WorkerGroup:
     """pp * tp * ep worker processes in one gloo group, started by start(), ended by close() or kill()."""
 
@@ -253,6 +266,13 @@ class ParallelRunner(ModelRunner):
 
     def copy_slot(self, src: int, dst: int) -> None:
         self._copies.append((src, dst))
+
+    def unavailable_workers(self) -> list[str]:
+        """Ranks whose process has exited or is stopped (SIGSTOP): a server's /health reports them."""
+        if not self.group.conns:
+            return ["processes: none running (the group is restarted at the next step)"]
+        return [f"rank {rank} (pid {p.pid}) {state}" for rank, p in enumerate(self.group.processes)
+                if (state := _process_state(p)) is not None]
 
     @torch.no_grad()
     def run(self, batch) -> CausalLMOutput:

@@ -103,7 +103,7 @@ class StageForward:
             for pending in sends:
                 pending.wait()
             return None
-        last = model.norm(x[:, batch.last_token_index])  # [1, S, hidden]
+        last = model.norm(x[:, batch.output_index])  # [1, S, hidden]
         finite.append(all_finite(last))
         return CausalLMOutput(logits=model.lm_head(last).float()[0], finite=torch.stack(finite))
 

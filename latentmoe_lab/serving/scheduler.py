@@ -208,7 +208,7 @@ class Scheduler:
         seq.slot = slot
         # at least one token must run to produce logits, so the last token never comes from the cache
         hit_blocks, snapshot_row = [], None
-        if self.blocks.enable_prefix_caching:
+        if self.blocks.enable_prefix_caching and not seq.needs_prompt_logits:  # those positions must run
             full_blocks = (seq.num_tokens - 1) // self.block_size
             hit_blocks, snapshot_row = self.blocks.match_prefix(seq.block_hashes(full_blocks, self.block_size))
         hit_tokens = len(hit_blocks) * self.block_size
@@ -254,6 +254,8 @@ class Scheduler:
                     seq.finish_reason = self._stop_reason(seq)
                 if seq.finish_reason is not None:
                     self.finish(seq, seq.finish_reason)
+            elif seq.max_tokens == 0 and seq.num_computed == seq.num_tokens:
+                self.finish(seq, "length")  # a prompt-only request (its prompt logprobs): done once it ran
 
     def _offer_blocks(self, seq: Sequence) -> None:
         if not self.blocks.enable_prefix_caching:

@@ -15,6 +15,7 @@ from enum import Enum
 
 import torch
 
+from latentmoe_lab.serving.logprobs import TokenLogprob
 from latentmoe_lab.serving.sampling import SamplingParams
 
 
@@ -68,6 +69,10 @@ class Sequence:
         self.token_times: list[float] = []  # monotonic time each generated token was sampled
         self.finish_time: float | None = None
         self._block_hashes: list[bytes] = []
+        # params.logprobs: one per generated token; params.prompt_logprobs: prompt tokens 1.. (kept across
+        # preemptions: a recompute does not record a position twice)
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +86,11 @@ class Sequence:
     @property
     def generated_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt positions whose logits are still to be computed (params.prompt_logprobs)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def in_prefill(self) -> bool:

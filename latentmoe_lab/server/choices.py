@@ -1,0 +1,116 @@
+"""One choice (sample) of a response as its tokens arrive: text, tokens and logprobs (docs/design.md §10).
+
+Generated ids are detokenized one token at a time and cut at the first stop string (stops.py). A token is
+released together with the text it completes: one whose text the stop matcher still holds back waits, and
+at a stop the tokens whose text ends past the cut are dropped (so `tokens` and `text_offset` describe the
+returned text). The first bytes of a multi-byte character release no text of their own: they share the
+offset of the character their last byte completes.
+
+Token strings in logprobs: a byte < 0x80 is its character, a special id its name, a byte >= 0x80 (part of
+a UTF-8 character) "bytes:\\xNN", so that the keys of a completions top_logprobs object never collide.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from latentmoe_lab.server.detokenizer import IncrementalDetokenizer
+from latentmoe_lab.server.stops import StopMatcher
+from latentmoe_lab.serving.logprobs import TokenLogprob
+from latentmoe_lab.tokenizer import NUM_BYTES, SPECIAL_TOKENS
+
+_SPECIAL_NAMES = {token_id: name for name, token_id in SPECIAL_TOKENS.items()}
+
+
+@dataclass
+class Released:
+    """What a choice releases at once: text, and (token id, logprob or None, text offset) per token."""
+
+    text: str = ""
+    tokens: list[tuple[int, TokenLogprob | None, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.tokens)
+
+
+class ChoiceText:
+    def __init__(self, stops: tuple[str, ...], offset: int = 0):
+        self._detokenizer, self._stops = IncrementalDetokenizer(), StopMatcher(stops)
+        self._offset = offset  # characters before this choice's text (an echoed prompt)
+        self._decoded = 0  # characters detokenized so far
+        self._released = 0  # characters released so far
+        self._pending: list[tuple[int, TokenLogprob | None, int, int]] = []  # id, logprob, start, end
+        self.generated = 0  # every generated token fed, released or not (usage counts what the engine made)
+        self.cumulative_logprob = 0.0
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def feed(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> Released:
+        """New ids (and their logprobs, [] when not asked for) -> what can go to the client now."""
+        self.generated += len(token_ids)
+        if self.stopped:
+            return Released()
+        pieces = []
+        for i, token_id in enumerate(token_ids):
+            logprob = logprobs[i] if logprobs else None
+            self.cumulative_logprob += logprob.logprob if logprob else 0.0
+            piece = self._detokenizer.feed([token_id])
+            pieces.append(piece)
+            self._pending.append((token_id, logprob, self._decoded, self._decoded + len(piece)))
+            self._decoded += len(piece)
+        return self._release(self._stops.feed("".join(pieces)))
+
+    def finish(self) -> Released:
+        """At the end of the request: an unfinished character, the held-back tail, every token left."""
+        if self.stopped:
+            return Released()
+        tail = self._detokenizer.flush()
+        if tail and self._pending:  # the unfinished character belongs to the last tokens
+            token_id, logprob, start, end = self._pending[-1]
+            self._pending[-1] = (token_id, logprob, start, end + len(tail))
+        text = self._stops.feed(tail) + self._stops.flush()
+        self._decoded += len(tail)
+        released = self._release(text)
+        released.tokens += [(t, lp, self._offset + start) for t, lp, start, _ in self._pending]
+        self._pending = []
+        return released
+
+    def _release(self, text: str) -> Released:
+        self._released += len(text)
+        count = 0
+        while count < len(self._pending) and self._pending[count][3] <= self._released:
+            count += 1
+        out = [(t, lp, self._offset + start) for t, lp, start, _ in self._pending[:count]]
+        self._pending = [] if self.stopped else self._pending[count:]  # at a stop the rest runs past the cut
+        return Released(text, out)
+
+
+def prompt_text(prompt_ids: list[int], logprobs: list[TokenLogprob] | None) -> Released:
+    """The echoed prompt: its text and tokens (the first has no logprob; the others logprobs[i - 1])."""
+    detokenizer, tokens, text = IncrementalDetokenizer(), [], []
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        logprob = logprobs[i - 1] if logprobs is not None and i > 0 else None
+        tokens.append((token_id, logprob, offset))
+        piece = detokenizer.feed([token_id])
+        text.append(piece)
+        offset += len(piece)
+    text.append(detokenizer.flush())
+    return Released("".join(text), tokens)
+
+
+def token_string(token_id: int) -> str:
+    if token_id in _SPECIAL_NAMES:
+        return _SPECIAL_NAMES[token_id]
+    if 0 <= token_id < 0x80:
+        return chr(token_id)
+    if token_id < NUM_BYTES:
+        return f"bytes:\\x{token_id:02x}"
+    return f"token_id:{token_id}"
+
+
+def token_bytes(token_id: int) -> list[int]:
+    if token_id in _SPECIAL_NAMES:
+        return list(_SPECIAL_NAMES[token_id].encode())
+    return [token_id] if 0 <= token_id < NUM_BYTES else []

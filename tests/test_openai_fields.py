@@ -1,0 +1,209 @@
+"""The OpenAI fields through the official openai client against a live server on 127.0.0.1: echo, logprobs,
+max_tokens 0 (scoring), n, best_of, stop, seed, penalties, logit_bias, response_format, user,
+max_completion_tokens, stream_options.include_usage, context limits (docs/design.md §10).
+
+Logprobs are checked against log_softmax of the model's own logits, computed here on the same weights."""
+import httpx
+import openai
+import pytest
+import torch
+
+from latentmoe_lab.server.loading import load_model
+from latentmoe_lab.server.settings import split_service_dict
+from latentmoe_lab.server.threaded import start_service
+from latentmoe_lab.tokenizer import SPECIAL_TOKENS
+
+KEY = "fields-key"
+SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 128},
+           "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
+           "scheduler": {"max_batch_size": 64, "prefill_chunk_size": 32},
+           "server": {"default_max_tokens": 5, "max_body_bytes": 65536}}
+PROMPT = "def add(a, b):\n    return a + b\n"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def service():
+    with start_service(SERVICE, api_key=KEY) as (served, worker):
+        yield served, worker
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=service[0].url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def logp():
+    """ids -> log_softmax of the model's logits [len, vocab], computed in this process on the same weights."""
+    model = load_model(split_service_dict(SERVICE)[0])
+
+    def run(ids):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return run
+
+
+def _collect(stream):
+    """Completion chunks -> {index: (text, tokens, token_logprobs, text_offset, finish_reason)}, and usage."""
+    out, usage = {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text, tokens, lps, offsets, reason = out.get(c.index, ("", [], [], [], None))
+            if c.logprobs is not None:
+                tokens, lps = tokens + c.logprobs.tokens, lps + c.logprobs.token_logprobs
+                offsets = offsets + c.logprobs.text_offset
+            out[c.index] = (text + c.text, tokens, lps, offsets, c.finish_reason or reason)
+    return out, usage
+
+
+def test_echo_logprobs_scoring_equal_the_models_logits(client, logp):
+    ids = list(PROMPT.encode())
+    reference = logp(ids)
+    response = client.completions.create(model="tiny-test", prompt=PROMPT, echo=True, logprobs=3, max_tokens=0)
+    choice = response.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == list(PROMPT) and lp.text_offset == list(range(len(PROMPT)))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), expected, atol=TOL)
+    for position, top in enumerate(lp.top_logprobs[1:]):  # the 3 most likely and the prompt's own token
+        wanted = set(torch.topk(reference[position], 3).indices.tolist()) | {ids[position + 1]}
+        assert {_token_id(key) for key in top} == wanted
+        assert all(abs(value - float(reference[position, _token_id(key)])) < TOL for key, value in top.items())
+
+
+def _token_id(token: str) -> int:
+    """The inverse of the server's token strings: a character < 0x80, "bytes:\\xNN", a special name, "token_id:N"."""
+    if token.startswith("bytes:"):
+        return int(token[-2:], 16)
+    if token.startswith("token_id:"):
+        return int(token.split(":")[1])
+    return SPECIAL_TOKENS.get(token, ord(token[0]))
+
+
+def test_echo_and_generated_logprobs_text_and_stream(client, logp):
+    ids = list(b"The cat")
+    kwargs = dict(model="tiny-test", prompt=[*ids], echo=True, logprobs=2, max_tokens=6, temperature=0)
+    response = client.completions.create(**kwargs)
+    choice = response.choices[0]
+    generated = choice.model_extra["token_ids"]
+    assert len(generated) == 6 == response.usage.completion_tokens
+    reference = logp(ids + generated)
+    lps = choice.logprobs.token_logprobs
+    assert len(lps) == len(ids) + 6 and lps[0] is None
+    expected = reference[torch.arange(len(ids) + 5), torch.tensor(ids[1:] + generated)]
+    assert torch.allclose(torch.tensor(lps[1:]), expected, atol=TOL)
+    assert all(generated[i] == int(reference[len(ids) - 1 + i].argmax()) for i in range(6))  # greedy
+    assert choice.text.startswith("The cat") and choice.logprobs.text_offset[len(ids)] == len("The cat")
+    streamed, usage = _collect(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                         **kwargs))
+    text, tokens, stream_lps, offsets, reason = streamed[0]
+    assert (text, tokens, offsets, reason) == (choice.text, choice.logprobs.tokens, choice.logprobs.text_offset,
+                                               choice.finish_reason)
+    assert stream_lps[0] is None and torch.allclose(torch.tensor(stream_lps[1:]), torch.tensor(lps[1:]), atol=TOL)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 6)
+
+
+def test_n_seeded_samples_and_best_of(client):
+    kwargs = dict(model="tiny-test", prompt="Once", max_tokens=6, temperature=1.0, seed=7)
+    three = client.completions.create(n=3, logprobs=0, **kwargs)
+    again = client.completions.create(n=3, logprobs=0, **kwargs)
+    texts = [c.text for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1 and three.usage.completion_tokens == 18
+    sums = [sum(c.logprobs.token_logprobs) for c in three.choices]
+    best = client.completions.create(n=1, best_of=3, **kwargs)
+    assert len(best.choices) == 1 and best.choices[0].text == texts[sums.index(max(sums))]
+    assert best.usage.completion_tokens == 18  # every sample counts
+    greedy = client.completions.create(model="tiny-test", prompt="Once", max_tokens=4, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
+    streamed, usage = _collect(client.completions.create(stream=True, n=3, stream_options={"include_usage": True},
+                                                         **kwargs))
+    assert [streamed[i][0] for i in range(3)] == texts and usage.completion_tokens == 18
+
+
+def test_stop_strings_cut_the_text_before_the_stop(client):
+    kwargs = dict(model="tiny-test", prompt="abc", max_tokens=12, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full[3:5]
+    expected = full[:full.find(stop)]
+    for stream in (False, True):
+        if stream:
+            text, _, _, _, reason = _collect(client.completions.create(stop=[stop, "\x00never"], stream=True,
+                                                                       **kwargs))[0][0]
+        else:
+            choice = client.completions.create(stop=[stop, "\x00never"], **kwargs).choices[0]
+            text, reason = choice.text, choice.finish_reason
+        assert (text, reason) == (expected, "stop")
+
+
+def test_chat_fields(client):
+    messages = [{"role": "user", "content": "hi"}]
+    kwargs = dict(model="tiny-test", messages=messages, temperature=0, seed=3, user="u1", presence_penalty=0.0,
+                  frequency_penalty=0.0, response_format={"type": "text"})
+    response = client.chat.completions.create(max_completion_tokens=4, logprobs=True, top_logprobs=2, n=2, **kwargs)
+    assert len(response.choices) == 2 and response.usage.completion_tokens == 8
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=TOL) for entry in content)  # greedy
+    chunks = list(client.chat.completions.create(max_completion_tokens=4, stream=True, logprobs=True, top_logprobs=2,
+                                                 stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == response.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    default = client.chat.completions.create(**kwargs)  # no limit given: server.default_max_tokens (5)
+    assert default.usage.completion_tokens == 5 and default.choices[0].finish_reason == "length"
+
+
+def test_penalties_and_logit_bias_change_the_choice(client):
+    kwargs = dict(model="tiny-test", prompt="aaaa", max_tokens=8, temperature=0)
+    forced = client.completions.create(logit_bias={"120": 100}, **kwargs).choices[0]
+    assert forced.model_extra["token_ids"] == [120] * 8 and forced.text == "x" * 8
+    plain = client.completions.create(logit_bias={"120": 10}, **kwargs).choices[0].model_extra["token_ids"]
+    penalized = client.completions.create(logit_bias={"120": 10}, frequency_penalty=2.0, presence_penalty=2.0,
+                                          **kwargs).choices[0].model_extra["token_ids"]
+    assert plain == [120] * 8 and penalized != plain  # a repeated token pays 4 per use after the first
+    tiny = client.completions.create(**{**kwargs, "temperature": 1e-40}).choices[0]
+    assert tiny.model_extra["token_ids"] == client.completions.create(**kwargs).choices[0].model_extra["token_ids"]
+
+
+def test_context_limit_names_both_numbers(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-test", prompt="x" * 100, max_tokens=40)
+    message = info.value.body["message"]
+    assert info.value.body["param"] == "max_tokens" and "100" in message and "40" in message and "128" in message
+    room = client.completions.create(model="tiny-test", prompt="x" * 125, temperature=0)  # default 5, room 3
+    assert room.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-test", prompt="x", stop=["a" * 10_000])
+    assert info.value.body["param"] == "stop"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-test", prompt="x", suffix="y")
+    assert info.value.body["param"] == "suffix"
+
+
+def test_disconnect_during_n_samples_frees_every_sequence(service):
+    served, worker = service
+    body = {"model": "tiny-test", "prompt": "go", "max_tokens": 100, "n": 4, "stream": True, "temperature": 1}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+        assert worker.last_stats["running"] + worker.last_stats["waiting"] == 4
+    _wait_idle(served.url)
+
+
+def _wait_idle(url, timeout=30):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health").json()
+        if health["running"] == health["waiting"] == health["blocks_used"] == health["slots_used"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not idle after {timeout} s: {health}")
