@@ -154,6 +154,23 @@ def test_a_hung_rank_is_stopped_by_its_watchdog_and_the_report_says_where():
     assert "rank 0" not in message  # it returned
 
 
+def _joins_a_collective_late():
+    init_distributed(2)  # the group timeout: 2 s
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(8)
+    torch.distributed.all_reduce(torch.ones(1))
+
+
+def test_a_collective_past_the_group_timeout_names_the_rank_the_collective_and_the_caller():
+    """gloo's own message ("Timed out waiting 2000ms for recv") names none of them; rank 0 is the root cause."""
+    with pytest.raises(RankFailure) as failure:
+        launch(_joins_a_collective_late, 2, timeout_s=30)
+    message = str(failure.value)
+    assert message.startswith("parallel run failed: rank 0 raised CollectiveTimeout: rank 0: all_reduce in "
+                              "_joins_a_collective_late (test_parallel_multiprocess.py:"), message
+    assert "did not return within the group timeout" in message and "Timed out waiting 2000ms" in message
+
+
 AFTER_FAILED_LAUNCHES = """
 import gc, os, time
 from latentmoe_lab.parallel.launch import RankFailure, launch

@@ -62,7 +62,7 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None, p
     from latentmoe_lab.parallel.mesh import init_distributed
     from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
 
-    init_distributed(min(settings.timeout_s, 600))
+    init_distributed(settings.group_timeout_s)  # every mesh dim's group inherits it
     if settings.threads is not None:  # after: accelerate's PartialState sets cores / local processes
         torch.set_num_threads(settings.threads)
     main = dist.get_rank() == 0

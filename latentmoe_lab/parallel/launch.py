@@ -11,7 +11,9 @@ Works the same from a notebook, a script, the CLI and the tests. Each worker:
     results are read back with `torch.load(weights_only=True)`: tensors, numbers, strings, None and
     lists / tuples / dicts of them, never arbitrary pickled objects;
   - arms a watchdog (`faulthandler.dump_traceback_later`): a rank stuck outside any collective
-    still exits after `timeout_s`, and RankFailure quotes the innermost frames of where it was.
+    still exits after `timeout_s`, and RankFailure quotes the innermost frames of where it was;
+  - names the collective it was in when one fails (collective_failure.py): a group timeout makes it a
+    root cause, a peer that went away collateral.
 The rendezvous store the ranks meet at listens on 127.0.0.1 only (a local run needs no other
 interface, and the store accepts any client that reaches it). When any rank fails, the elastic
 agent behind notebook_launcher stops the others, and `launch` raises `RankFailure` naming the
@@ -44,7 +46,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from latentmoe_lab.parallel.collective_failure import CollectiveTimeout, named_collective_failure
 from latentmoe_lab.parallel.comm import CollectiveError
+from latentmoe_lab.threads import default_threads
 
 
 class RankFailure(RuntimeError):
@@ -120,9 +124,16 @@ class _RankEntry:
                 dist.barrier()  # nobody leaves while a peer may still need it
                 dist.destroy_process_group()
         except BaseException as error:
-            kind = "collateral" if isinstance(error, CollectiveError) else "error"
-            (run_dir / f"{rank}.{kind}").write_text(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-            raise
+            named = named_collective_failure(error, rank)
+            reported = error if named is None else named
+            # a rank whose peer went away is collateral; one that timed out waited on a peer that never came
+            kind = ("collateral" if isinstance(reported, CollectiveError)
+                    and not isinstance(reported, CollectiveTimeout) else "error")
+            (run_dir / f"{rank}.{kind}").write_text(f"{type(reported).__name__}: {reported}\n"
+                                                    f"{traceback.format_exc()}")
+            if named is None:
+                raise
+            raise named from error
         finally:
             faulthandler.cancel_dump_traceback_later()
 
@@ -180,7 +191,7 @@ def launch(fn, nproc: int, args: tuple = (), timeout_s: float = 120.0, start_met
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method: must be 'fork', 'spawn' or None, got {start_method!r}")
     run_dir = Path(tempfile.mkdtemp(prefix="latentmoe-launch-"))
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = default_threads(nproc)  # each rank's share of the cores this process may use
     elastic_log = logging.getLogger("torch.distributed.elastic")
     level = elastic_log.level
     try:

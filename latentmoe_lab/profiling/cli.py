@@ -27,6 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt / sequence tokens (default: 128)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: from the cores available, 1 when 2 or fewer)")
     parser.add_argument("--out", default="reports/profile", help="output folder (default: %(default)s)")
     parser.set_defaults(func=run)
     return parser
@@ -91,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device: {error}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device: {args.device!r} needs a CUDA GPU, and torch sees none here")
+    from latentmoe_lab.threads import apply_threads
+
+    apply_threads(args.threads)
     torch.manual_seed(args.seed)
     model = LatentMoEForCausalLM(ModelConfig.from_preset(args.preset)).to(args.device)
     if args.mode != "train":

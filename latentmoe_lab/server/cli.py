@@ -86,9 +86,11 @@ def _set_threads(config, threads: int | None):
 
     if threads is not None and threads < 1:
         raise ValueError(f"--threads: must be >= 1, got {threads}")
-    cores = os.cpu_count() or 1
+    from latentmoe_lab.threads import available_cores, default_threads
+
+    cores = available_cores()  # affinity and cgroup quota, not the machine's count
     if not config.parallel.forward_process:
-        torch.set_num_threads(threads or cores)
+        torch.set_num_threads(threads or default_threads(cores=cores))
         return config
     torch.set_num_threads(1)
     forward_threads = config.parallel.forward_threads or threads or max(1, cores - 1)  # the file's value wins

@@ -36,7 +36,9 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--image-fraction", type=float, default=0.25,
                        help="share of prompts carrying an image (default: %(default)s)")
     bench.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--threads", type=int, default=None,
+                       help="torch threads, also of the forward process (default: from the cores available, 1 "
+                            "when 2 or fewer: latentmoe_lab/threads.py)")
     bench.add_argument("--report", default="reports/serve.html", help="HTML report path (default: %(default)s)")
     bench.set_defaults(func=cmd_serve_bench)
 
@@ -101,7 +103,6 @@ def check_bench_flags(args: argparse.Namespace, max_model_len: int) -> None:
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
-    import torch
     from tqdm.auto import tqdm
 
     from latentmoe_lab.report import write_html_report
@@ -113,8 +114,11 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
 
     service = ServiceConfig.from_yaml(args.config)
     check_bench_flags(args, service.model.max_model_len)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    from latentmoe_lab.threads import apply_threads
+
+    threads = apply_threads(args.threads, echo=_say)
+    if args.threads is not None and not service.parallel.forward_threads:  # the forward process's too
+        service.parallel.forward_threads = threads
     _say(f"building {service.model.preset or service.model.checkpoint}")
     model = load_model(service)
     engine = Engine(model, service)

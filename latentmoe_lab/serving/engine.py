@@ -371,7 +371,9 @@ class Engine:
 
 def _worker_threads(section, layout) -> int:
     """Torch threads per worker process: ranks share the cores, one each; a lone forward process takes
-    parallel.forward_threads, or (0) as many as this process uses."""
+    parallel.forward_threads, or (0) the default for the cores this process may use (latentmoe_lab/threads.py)."""
+    from latentmoe_lab.threads import default_threads
+
     if layout.world_size > 1:
         return 1
-    return section.forward_threads or torch.get_num_threads()
+    return section.forward_threads or default_threads()

@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+from latentmoe_lab.threads import choose_threads
 from latentmoe_lab.training.lm import CHECKPOINT_DIR, PRESET_DEFAULTS, TrainSettings, train
 from latentmoe_lab.training.resume import prepare_resume, read_trainer_json
 
@@ -55,7 +56,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="local processes over gloo: data-parallel ones (default: 1), or with the flags below "
                              "their product (the default then)")
     parser.add_argument("--seed", type=int, help="seed for the weights and the data order (default: 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per process (default: the cores this process may use, shared by the "
+                             "processes; 1 when that leaves 2 or fewer: latentmoe_lab/threads.py)")
+    parser.add_argument("--group-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="with several processes: a collective that does not return within this ends the run "
+                             "with an error naming the rank and the collective (default: %(default)s)")
     parser.add_argument("--corpus-root", default=None, metavar="DIR",
                         help="train on the *.py files under DIR instead of the standard library")
     parser.add_argument("--held-out-fraction", type=float, help="share of the files held out, by path hash (default: 0.02)")
@@ -97,7 +103,8 @@ def settings_from_args(args: argparse.Namespace, recorded: dict | None = None) -
     for name, default in PRESET_DEFAULTS[chosen["preset"]].items():
         chosen[name] = default if chosen[name] is None else chosen[name]
     return TrainSettings(stop_at=args.stop_at, out=args.out, resume=args.resume, nproc=_nproc(args),
-                         threads=args.threads, allow_changed_flags=args.allow_changed_flags, **chosen)
+                         threads=args.threads, group_timeout_s=args.group_timeout,
+                         allow_changed_flags=args.allow_changed_flags, **chosen)
 
 
 def _nproc(args: argparse.Namespace) -> int:
@@ -124,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
         args.param_dtype = (meta.get("layout") if isinstance(meta.get("layout"), dict) else {}).get("param_dtype")
     args.param_dtype = args.param_dtype or "fp32"
     settings = settings_from_args(args, None if meta is None else meta["settings"])
+    threads, why = choose_threads(args.threads, settings.nproc)
+    print(why)
+    settings = dataclasses.replace(settings, threads=threads)
     layout = native_layout_from_args(args)
     # torch's engine checks nproc against its layout instead of the plain run's batch % nproc (native/run.py)
     (settings if layout is None else dataclasses.replace(settings, nproc=1)).validate()

@@ -75,7 +75,8 @@ class TrainSettings:
     held_out_fraction: float = 0.02
     config: dict | None = None  # a ModelConfig as a dict, instead of the preset
     sample_tokens: int = 200
-    timeout_s: float = 3600.0
+    timeout_s: float = 3600.0  # the whole run, per process (the launcher's watchdog)
+    group_timeout_s: float = 120.0  # one collective: a rank waiting longer fails, naming it (not a silent hang)
     allow_changed_flags: bool = False  # resume: apply changed MATH_SETTINGS (training/resume.py) instead of refusing
 
     def model_config(self) -> ModelConfig:
@@ -106,6 +107,9 @@ class TrainSettings:
             raise ValueError(f"held_out_fraction: must lie in (0, 1), got {self.held_out_fraction!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads!r}")
+        timeout = self.group_timeout_s
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout <= 3600):
+            raise ValueError(f"group_timeout_s: must be a number of seconds in (0, 3600], got {timeout!r}")
 
 
 @dataclass
@@ -167,7 +171,7 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         # The lightning indexer only picks positions (a top-k), so this loss gives its weights no gradient
         # (its KL warm-up is training/indexer.py); DDP must not wait for those gradients.
         DistributedDataParallelKwargs(find_unused_parameters=True),
-        InitProcessGroupKwargs(timeout=timedelta(seconds=min(settings.timeout_s, 600)))])
+        InitProcessGroupKwargs(timeout=timedelta(seconds=settings.group_timeout_s))])
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     config = settings.model_config()
     corpus = load_corpus(settings.corpus_root, settings.held_out_fraction, verbose=main)
