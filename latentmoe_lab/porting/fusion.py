@@ -19,6 +19,7 @@ A launch is a node that runs a kernel: views, getitem and shape bookkeeping are 
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,9 @@ def export_block(model, layer: int, phase: str = "prefill", tokens: int = 37, se
     generator = torch.Generator().manual_seed(seed)
     weight = block.attn_norm.weight
     inputs = (torch.randn(shape, generator=generator).to(weight.dtype),)
-    with torch.no_grad(), use_custom_ops():
+    with torch.no_grad(), use_custom_ops(), warnings.catch_warnings():
+        # LatentMoE keeps last-forward statistics as attributes; export warns that they are not buffers
+        warnings.filterwarnings("ignore", message="The tensor attributes .* were assigned during export")
         exported = torch.export.export(block, inputs)
     return exported.module(), inputs
 

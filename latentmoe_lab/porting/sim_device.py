@@ -153,9 +153,13 @@ class SimDevice(TorchDispatchMode):
             def rounded(t):  # products of rounded inputs are exact in fp32: only the inputs lose bits
                 return t.to(rounding).to(t.dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
             return func(*tree_map(rounded, args), **tree_map(rounded, kwargs))
-        if (name == "aten._to_copy" and self.profile.fp8_saturate and kwargs.get("dtype") == torch.float8_e4m3fn
-                and args[0].is_floating_point()):
-            return func(args[0].clamp(-FP8_MAX, FP8_MAX), *args[1:], **kwargs)
+        if name == "aten._to_copy" and kwargs.get("dtype") == torch.float8_e4m3fn and args[0].is_floating_point():
+            source = args[0]
+            if self.profile.fp8_saturate:
+                source = source.clamp(-FP8_MAX, FP8_MAX)
+            else:  # no saturation: out of range is NaN (e4m3fn has no inf)
+                source = source.masked_fill(source.abs() > FP8_MAX, float("nan"))
+            return func(source, *args[1:], **kwargs)
         return func(*args, **kwargs)
 
     def coverage(self) -> Coverage:
