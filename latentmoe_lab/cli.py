@@ -214,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except Exception as error:  # user errors become one line; anything else is a bug: re-raised
         message = user_error_message(error)
-        if message is None or args.debug:
+        # a failed parallel run: RankFailure already names each rank and what it was doing (exit status 1)
+        launch = sys.modules.get("latentmoe_lab.parallel.launch")
+        failed_run = launch is not None and isinstance(error, launch.RankFailure)
+        if (message is None and not failed_run) or args.debug:
             raise
-        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        print(f"{parser.prog} {args.command}: error: {message or error}", file=sys.stderr)
+        return 2 if message is not None else 1
 
 
 if __name__ == "__main__":

@@ -66,3 +66,23 @@ def test_the_cli_flags(tmp_path, capsys):
                          (["--fsdp", "2", "--nproc", "4"], "nproc"), (["--init-from", str(tmp_path)], "init_from")]:
         assert main(args + bad) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_failed_parallel_run_is_one_line_and_a_bad_group_timeout_is_refused(tmp_path, capsys, monkeypatch):
+    """RankFailure already names every rank and collective: the CLI prints it alone (exit 1), no traceback."""
+    from latentmoe_lab.parallel.launch import RankFailure
+
+    report = ("parallel run failed: rank 1 raised CollectiveTimeout: rank 1: all_to_all_single in _all_to_all "
+              "(expert.py:47) did not return within the group timeout")
+
+    def fails(*args, **kwargs):
+        raise RankFailure(report)
+
+    monkeypatch.setattr("latentmoe_lab.native.run.train_native", fails)
+    args = ["train", "--preset", "tiny", "--fsdp", "2", "--ep", "2", "--out", str(tmp_path)]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"latentmoe-lab train: error: {report}"]
+    assert "torch threads: " in captured.out  # the thread choice is said before the run
+    assert main(args + ["--group-timeout", "0"]) == 2
+    assert "group_timeout_s: must be a number of seconds in (0, 3600], got 0.0" in capsys.readouterr().err
