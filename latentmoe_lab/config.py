@@ -15,6 +15,7 @@ from typing import Any
 
 from latentmoe_lab.config_fields import ConfigTypeError, check_field_types, describe
 from latentmoe_lab.textfile import read_text_file
+from latentmoe_lab.yaml_loader import dump_yaml, errors_name_file, parse_yaml, read_yaml_file
 
 KDA, DSA = "kda", "dsa"
 GATE_FORMS = ("lower_bound", "softplus")
@@ -276,9 +277,7 @@ class ModelConfig:
                                                  "for JSON text use ModelConfig.from_json_text)"))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
-        import yaml
-
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        text = dump_yaml(self.to_dict())
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -290,14 +289,19 @@ class ModelConfig:
 
     @classmethod
     def from_yaml_file(cls, path: str | Path) -> "ModelConfig":
-        """Read a YAML file: a regular file only (no FIFO, directory or device), at most 1 MiB."""
-        return cls.from_yaml_text(read_text_file(path, "path"))
+        """Read a YAML file: a regular file only (no FIFO, directory or device), at most 1 MiB, by
+        yaml_loader's rules (no anchors, aliases, tags or duplicate keys); errors name the file."""
+        data = read_yaml_file(path, "path")
+        with errors_name_file(path):
+            return cls.from_dict(data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelConfig":
         """Same as from_yaml_file: the argument is always a path, never text (use from_yaml_text)."""
-        return cls.from_yaml_text(read_text_file(path, "path", hint="(from_yaml takes a file path; "
-                                                 "for YAML text use ModelConfig.from_yaml_text)"))
+        data = read_yaml_file(path, "path", hint="(from_yaml takes a file path; for YAML text use "
+                                                 "ModelConfig.from_yaml_text)")
+        with errors_name_file(path):
+            return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A validated copy with top-level fields changed (nested parts may be given as dicts)."""
@@ -334,17 +338,13 @@ def _parse(text: str, language: str) -> Any:
         raise TypeError(f"text: expected {language} text as a str, got {type(text).__name__}")
     if len(text) > 1 << 20:
         raise ValueError(f"text: {len(text)} characters of {language}, more than a config needs (1 MiB)")
-    if language == "JSON":
-        parse, errors = json.loads, (ValueError, RecursionError)  # JSONDecodeError is a ValueError
-    else:
-        import yaml
-
-        parse, errors = yaml.safe_load, (yaml.YAMLError, ValueError, RecursionError)
+    if language == "YAML":
+        return parse_yaml(text, "text")  # yaml_loader's rules; its errors name the line and column
     try:
-        return parse(text)
-    except errors as error:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError
         reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise ValueError(f"text: not valid {language}: {reason}") from None
+        raise ValueError(f"text: not valid JSON: {reason}") from None
 
 
 _NESTED = {"kda": KDAConfig, "mla": MLAConfig, "indexer": IndexerConfig, "moe": MoEConfig, "vision": VisionConfig}

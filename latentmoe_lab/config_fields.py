@@ -11,19 +11,22 @@ configs raise an error naming the field):
     a config class     an instance of it (dicts are converted before the check)
     X | None           None or X
 
-Messages never print a value of the wrong type, only its type name: a YAML alias bomb expands
-without bound when printed, and an int of thousands of digits refuses to become a string.
+Messages show values through describe(): at most MAX_SHOWN_CHARS characters, so a value nested
+without bound is never walked whole, and an int of thousands of digits (which refuses to become a
+string) is shown by its size.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import reprlib
 import types
 import typing
 
 MAX_STRING_CHARS = 256
 INT64_MAX = 2 ** 63 - 1
+MAX_SHOWN_CHARS = 200  # of any value in an error message
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -32,16 +35,29 @@ class ConfigTypeError(TypeError, ValueError):
 
 
 def describe(value) -> str:
-    """A short, bounded description of a value for an error message."""
-    if isinstance(value, bool) or value is None:
+    """A short description of any value for an error message: at most MAX_SHOWN_CHARS characters, built
+    without walking more than a few dozen elements (an alias bomb is never expanded, a huge int never
+    converted to digits)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
         return repr(value)
     if isinstance(value, int):
         return repr(value) if abs(value) < 10 ** 30 else f"an int of {value.bit_length()} bits"
-    if isinstance(value, float):
-        return repr(value)
     if isinstance(value, str):
         return repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} chars)"
-    return f"a value of type {type(value).__name__}"
+    shown = f"{type(value).__name__} {_SHORT_REPR.repr(value)}"
+    return shown if len(shown) <= MAX_SHOWN_CHARS else shown[:MAX_SHOWN_CHARS - 3] + "..."
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr, with ints described as describe() does (repr of a 5000-digit int raises)."""
+
+    def repr_int(self, value, level):
+        return describe(value)
+
+
+_SHORT_REPR = _ShortRepr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 40, 40
+_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxdict = _SHORT_REPR.maxset = 4
 
 
 def check_field_types(obj, prefix: str = "") -> None:
@@ -71,7 +87,7 @@ def _checked(value, hint, name: str):
             return _normalised(value, kind, name)
     hint_text = ""
     if isinstance(value, str) and float in kinds:
-        hint_text = " (a number written as a string; in YAML write 1.0e-6, not 1e-6)"
+        hint_text = " (a number written as a string)"
     raise ConfigTypeError(f"{name}: expected {_spell(options)}, got {describe(value)}{hint_text}")
 
 

@@ -67,13 +67,27 @@ def test_type_errors_are_also_value_errors_and_ints_become_floats():
         cfg.validate()
 
 
+def _alias_bomb(levels=9):
+    """9 levels of 9 aliases: 9^9 = 387M leaves once walked or printed, from a few hundred bytes of YAML."""
+    parts = ["&l0 [x, x, x, x, x, x, x, x, x]"] + [f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]"
+                                                  for i in range(1, levels + 1)]
+    return "[" + ", ".join(parts) + "]"
+
+
 def test_yaml_alias_bomb_in_name_is_refused_fast():
-    # 9 levels of 9 aliases: 9^9 = 387M leaves once printed (repr / to_json hung); a few hundred bytes parsed
-    levels = ["&l0 [x, x, x, x, x, x, x, x, x]"] + [f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]"
-                                                   for i in range(1, 10)]
-    text = ModelConfig.from_preset("tiny").to_yaml().replace("name: tiny", "name: [" + ", ".join(levels) + "]")
-    with pytest.raises(TypeError, match="^name: expected str, got a value of type list"):
+    text = ModelConfig.from_preset("tiny").to_yaml().replace("name: tiny", "name: " + _alias_bomb())
+    with pytest.raises(ValueError, match=r"^text, line 1, column 8: anchors \(&l0\) are not allowed"):
         ModelConfig.from_yaml_text(text)
+
+
+def test_a_shared_nested_value_is_described_in_200_characters():
+    """The same bomb built in Python (from_dict): the error shows a bounded prefix, never the whole tree."""
+    bomb = ["x"] * 9
+    for _ in range(9):
+        bomb = [bomb] * 9
+    with pytest.raises(TypeError, match=r"^name: expected str, got list \[\[\[\[\.\.\.\]") as caught:
+        ModelConfig.from_dict(_tiny_with(name=bomb))
+    assert len(str(caught.value)) < 260
 
 
 def test_text_and_file_loaders_are_explicit(tmp_path):
@@ -124,5 +138,94 @@ def _error_of(function, *args):
     (ModelConfig.from_yaml_text, "a: *undefined_alias"),
 ])
 def test_parse_errors_are_value_errors(loader, text):
-    with pytest.raises(ValueError, match="^text: not valid (JSON|YAML)"):
+    with pytest.raises(ValueError, match=r"^text(: not valid JSON|, line \d+, column \d+: )"):
         loader(text)
+
+
+# --- the one YAML loader of config files (yaml_loader.py): the outside reliability review's YAML cases ---
+
+@pytest.mark.parametrize("text, message", [
+    ("a: &x 1\nb: *x\n", r"line 1, column 4: anchors \(&x\) are not allowed"),
+    ("a: *x\n", r"line 1, column 4: aliases \(\*x\) are not allowed"),
+    ("a: !!python/object/apply:os.system ['true']\n", r"line 1, column 4: explicit tags \(!!python/object/apply"),
+    ("a: !!binary aGk=\n", r"line 1, column 4: explicit tags \(!!binary\)"),
+    ("a:\n  b: 1\n  c: 2\n  b: 3\n", r"line 4, column 3: duplicate key 'b' \(first at line 2\)"),
+    ("1: a\nnull: b\n", r"line 1, column 1: mapping keys must be strings, got 1"),
+    ("? [a, b]\n: c\n", r"line 1, column 3: mapping keys must be strings, got list"),
+    ("a:\n\tb: 1\n", r"line 2, column 1: not valid YAML: .*cannot start any token"),
+    ("a: [64\n", r"line 2, column 1: not valid YAML: .*flow sequence"),
+    ("a: 1\n---\nb: 2\n", r"line 2, column 1: not valid YAML: expected a single document"),
+    ("a: b\0c\n", r"line 1, column 5: not valid YAML: the character #x0000 is not allowed"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", r"line 1, column \d+: (nested more than 32|not valid YAML)"),
+    ("a: " + "[" * 40 + "]" * 40 + "\n", r"line 1, column 35: nested more than 32 levels deep"),
+    ("a: " + "9" * 5000 + "\n", r"line 1, column 4: an integer of 5000 digits; at most 30"),
+    ("# nothing\n", r"holds no YAML value"),
+])
+def test_the_config_yaml_loader_refuses_by_line_and_column(text, message):
+    from latentmoe_lab.yaml_loader import parse_yaml
+
+    with pytest.raises(ValueError, match=rf"^f\.yaml[,:] {message}") as caught:
+        parse_yaml(text, "f.yaml")
+    assert "\n" not in str(caught.value)
+
+
+def test_plain_scalars_are_read_as_yaml_1_2_without_octal_or_hex():
+    from latentmoe_lab.yaml_loader import parse_yaml
+
+    data = parse_yaml("a: 1:04\nb: 010\nc: 0x40\nd: 1_000\ne: yes\nf: on\ng: 2001-12-14\nh: 64\ni: -3\n"
+                      "j: 1e-6\nk: 0.5\nl: .inf\nm: true\nn: ~\no: +7\n")
+    assert data == {"a": "1:04", "b": "010", "c": "0x40", "d": "1_000", "e": "yes", "f": "on", "g": "2001-12-14",
+                    "h": 64, "i": -3, "j": 1e-6, "k": 0.5, "l": math.inf, "m": True, "n": None, "o": 7}
+    assert parse_yaml("yes: 1\n") == {"yes": 1}  # a string key, not True
+    with pytest.raises(TypeError, match=r"block_size: expected int, got '1:04'"):
+        from latentmoe_lab.serving import ServiceConfig
+
+        ServiceConfig.from_dict({"memory": parse_yaml("block_size: 1:04")})
+
+
+def test_python_tags_never_run(tmp_path):
+    from latentmoe_lab.yaml_loader import read_yaml_file
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "c.yaml"
+    path.write_text(f"name: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ValueError, match="explicit tags"):
+        read_yaml_file(path)
+    with pytest.raises(ValueError, match="explicit tags"):
+        ModelConfig.from_yaml(path)
+    assert not marker.exists()
+
+
+def test_yaml_files_are_refused_before_reading_when_not_a_small_regular_file(tmp_path):
+    from latentmoe_lab.yaml_loader import read_yaml_file
+
+    fifo = tmp_path / "c.fifo"
+    os.mkfifo(fifo)
+    outcome = []
+    reader = threading.Thread(target=lambda: outcome.append(_error_of(read_yaml_file, fifo)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive() and "not a regular file" in str(outcome[0])
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as handle:
+        handle.truncate(1 << 30)  # sparse: refused by its size, nothing read
+    with pytest.raises(ValueError, match=r"has 1073741824 bytes, more than the 1048576 allowed"):
+        read_yaml_file(huge)
+
+
+def test_model_config_yaml_round_trips_through_the_strict_loader(tmp_path):
+    from latentmoe_lab.yaml_loader import dump_yaml, parse_yaml
+
+    shared = [1, 2]
+    assert "&" not in dump_yaml({"a": shared, "b": shared})  # safe_dump would write an anchor and an alias
+    assert parse_yaml(dump_yaml({"a": shared, "b": shared, "c": "010", "d": "yes", "e": 1e-6})) == \
+        {"a": [1, 2], "b": [1, 2], "c": "010", "d": "yes", "e": 1e-6}
+    cfg = ModelConfig.from_preset("tiny")
+    cfg.to_yaml(tmp_path / "c.yaml")
+    assert ModelConfig.from_yaml_file(tmp_path / "c.yaml") == cfg
+    (tmp_path / "bad.yaml").write_text(cfg.to_yaml().replace("hidden_size: 64", "hidden_size: 64\nhidden_size: 32"))
+    with pytest.raises(ValueError, match=r"bad\.yaml, line \d+, column 1: duplicate key 'hidden_size'"):
+        ModelConfig.from_yaml_file(tmp_path / "bad.yaml")
+    (tmp_path / "typed.yaml").write_text(cfg.to_yaml().replace("hidden_size: 64", "hidden_size: 0x40"))
+    with pytest.raises(TypeError, match=r"typed\.yaml: hidden_size: expected int, got '0x40'"):
+        ModelConfig.from_yaml_file(tmp_path / "typed.yaml")

@@ -27,9 +27,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from latentmoe_lab.config_fields import describe
 from latentmoe_lab.serving import ServiceConfig
+from latentmoe_lab.serving.config import read_service_file, section_values
+from latentmoe_lab.yaml_loader import errors_name_file
 
 SERVER_LOG_RECORDS = 1000  # the engine's log of a long-running server: the latest steps and requests only
+MAX_TIMEOUT_S = 86400.0  # a day: longer is a mistake, and too long for the event loop's timers
 
 
 @dataclass(frozen=True)
@@ -46,23 +50,25 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if isinstance(self.default_max_tokens, bool) or not isinstance(self.default_max_tokens, int) \
                 or self.default_max_tokens < 1:
-            raise ValueError(f"server.default_max_tokens: must be an integer >= 1, got {self.default_max_tokens!r}")
+            raise ValueError(f"server.default_max_tokens: must be an integer >= 1, "
+                             f"got {describe(self.default_max_tokens)}")
         for name in ("max_retries", "max_restarts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"server.{name}: must be an integer >= 0, got {value!r}")
+                raise ValueError(f"server.{name}: must be an integer >= 0, got {describe(value)}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
                 or self.max_body_bytes < 1:
-            raise ValueError(f"server.max_body_bytes: must be an integer >= 1, got {self.max_body_bytes!r}")
+            raise ValueError(f"server.max_body_bytes: must be an integer >= 1, got {describe(self.max_body_bytes)}")
         for name in ("step_timeout_s", "request_timeout_s", "body_timeout_s", "health_stall_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"server.{name}: must be a finite number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+                raise ValueError(f"server.{name}: must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], "
+                                 f"got {describe(value)}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ServerSettings":
         if not isinstance(values, dict):
-            raise ValueError(f"server: expected a mapping of keys, got {type(values).__name__}")
+            raise ValueError(f"server: expected a mapping of keys, got {describe(values)}")
         known = [f.name for f in fields(cls)]
         for key in values:
             if key not in known:
@@ -73,20 +79,24 @@ class ServerSettings:
 def split_service_dict(data: dict[str, Any]) -> tuple[ServiceConfig, ServerSettings]:
     """A parsed service file -> (the engine's ServiceConfig, our ServerSettings)."""
     if not isinstance(data, dict):
-        raise ValueError(f"service config: expected a mapping of sections, got {type(data).__name__}")
+        raise ValueError(f"service config: expected a mapping of sections, got {describe(data)}")
     rest = {key: value for key, value in data.items() if key != "server"}
-    scheduler = rest.get("scheduler") or {}
-    if isinstance(scheduler, dict):  # anything else: ServiceConfig names the section
-        if "max_step_retries" in scheduler:
-            raise ValueError("scheduler.max_step_retries: a service file sets it as server.max_retries")
-        rest["scheduler"] = {"max_log_records": SERVER_LOG_RECORDS, **scheduler}
-    return ServiceConfig.from_dict(rest), ServerSettings.from_dict(data.get("server") or {})
+    scheduler = section_values(rest, "scheduler")
+    if "max_step_retries" in scheduler:
+        raise ValueError("scheduler.max_step_retries: a service file sets it as server.max_retries")
+    rest["scheduler"] = {"max_log_records": SERVER_LOG_RECORDS, **scheduler}
+    return ServiceConfig.from_dict(rest), ServerSettings.from_dict(section_values(data, "server"))
 
 
 def load_service_file(path: str | Path) -> tuple[ServiceConfig, ServerSettings]:
-    import yaml
+    """`serve`'s loader: split_service_dict of the file, then the engine's plan of a preset and the host's
+    limits, as ServiceConfig.from_yaml checks them."""
+    from latentmoe_lab.serving.host_limits import check_fits_host
+    from latentmoe_lab.serving.planner import check_engine_plan
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--config: no service config file at {str(path)!r}")
-    return split_service_dict(yaml.safe_load(path.read_text()) or {})
+    data = read_service_file(path, "--config")
+    with errors_name_file(path):
+        config, settings = split_service_dict(data)
+        check_engine_plan(config)
+        check_fits_host(config)
+    return config, settings

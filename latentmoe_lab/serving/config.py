@@ -3,15 +3,16 @@
 Four sections, the keys of the public example first, then ours where the example is silent:
 
     model:
-      name                  str    label only
-      max_model_len         int    prompt + generated tokens of one request, at most
+      name                  str    label only (not empty)
+      max_model_len         int    prompt + generated tokens of one request, at most (>= 2)
       dtype                 str    weights: fp32 | bf16 | fp16 | fp8 (fp8 = routed experts in block-scaled
                                    FP8, everything else bf16, as meta.py counts it; planning only on a CPU)
       preset                str    ours: a ModelConfig preset ("tiny", "small", "k3-2.8t")
       checkpoint            str    ours: a directory written by save_pretrained (exclusive with preset)
       checkpoint_if_present str    ours: a save_pretrained directory `serve` runs instead of preset when it
                                    exists (server/loading.py; needs preset, the model served without it)
-      seed                  int    ours: seed of the random weights when a preset is built (default 0)
+      seed                  int    ours: seed of the random weights when a preset is built, in [0, 2^63)
+                                   (default 0)
     parallel:
       tensor_parallel_size, expert_parallel_size, pipeline_parallel_size   int >= 1
                                    (> 1: the engine's forward runs on that many worker processes;
@@ -20,8 +21,9 @@ Four sections, the keys of the public example first, then ours where the example
                                    (default false). A server sets it: its engine thread then waits on a
                                    pipe instead of holding the GIL that the HTTP event loop needs
       forward_threads       int    ours: torch threads of that process (default 0: as many as the process
-                                   that builds the Engine uses; `latentmoe-lab serve --threads` sets it)
-      group_timeout_s       float  ours: seconds in (0, 3600], the timeout of every worker process group
+                                   that builds the Engine uses; `latentmoe-lab serve --threads` sets it);
+                                   a file may not ask for more than the cores this process may run on
+      group_timeout_s       float  ours: seconds in [0.1, 3600], the timeout of every worker process group
                                    (default 30.0): a rank that hangs is detected within it, so a pipeline
                                    stage's part of a step must finish within it (its successor waits so long)
     memory:
@@ -30,7 +32,10 @@ Four sections, the keys of the public example first, then ours where the example
       enable_paged_attention bool  must be true: the engine has only the paged path
       max_num_seqs          int    sequences holding cache at once = KDA state slots
       block_size            int    ours: tokens per cache block (default 64)
-      cache_bytes           int    ours: the CPU budget for every cache pool, in bytes (required by Engine)
+      cache_bytes           int    ours: the CPU budget for every cache pool of one rank, in bytes; at most
+                                   the host's available memory over all ranks. Left out, an Engine on a
+                                   CPU takes 10% of the available memory, at most 4 GiB, split over the
+                                   ranks (serving/host_limits.py; logged, and shown by plan-service)
       enable_prefix_caching bool   ours: hash-chained block sharing + KDA state snapshots (default false)
       prefix_snapshot_slots int    ours: KDA snapshot slots for prefix caching (default max_num_seqs when on, else 0)
       device                str    ours: hardware of plan-service, a key of parallel.hardware.HARDWARE
@@ -42,13 +47,20 @@ Four sections, the keys of the public example first, then ours where the example
       max_step_retries      int    ours: failed steps a request may be retried after, once a failure is
                                    pinned on it alone (docs/design.md §6.5); one more and it fails alone
                                    with error "engine_step_failed" (default 3; a server sets server.max_retries)
-      max_log_records       int    ours: Engine.log keeps the latest this many step and request records
-                                   (default 100000; a server keeps fewer)
+      max_log_records       int    ours: Engine.log keeps the latest this many step and request records,
+                                   at most 1000000 (default 100000; a server keeps fewer)
       batch_invariant       bool   ours: a request's logits bit for bit independent of its step-mates, the
                                    budget and prefix hits (serving/invariance.py; default false: it costs
                                    budget at chunk ends and 13-21% of the engine's throughput on the CPU)
 
-Unknown keys, wrong types and inconsistent values raise ValueError naming the key path.
+A file is read by latentmoe_lab/yaml_loader.py (no anchors, aliases, tags or duplicate keys; ints are
+plain decimals; errors name the file, line and column). A section may be left empty (`memory:` alone:
+defaults); any other value that is not a mapping ('', 0, false, []) is an error naming the section, as
+is a file that is not a mapping. Unknown keys, wrong types and inconsistent values raise ValueError
+naming the key path, showing values at most 200 characters long (config_fields.describe). Loading a
+file (from_yaml here, load_service_file for `serve`) also checks the optional `server:` section
+(server/settings.py), the engine's layout and cache plan when model.preset is given
+(planner.check_engine_plan) and the sizes this host cannot run (serving/host_limits.py).
 """
 from __future__ import annotations
 
@@ -56,8 +68,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from latentmoe_lab.config_fields import check_field_types, describe
+from latentmoe_lab.yaml_loader import errors_name_file, file_label, read_yaml_file
+
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
+MIN_MODEL_LEN = 2  # one prompt token and one generated token
+MIN_GROUP_TIMEOUT_S = 0.1  # shorter, and a worker group cannot even form (gloo's rendezvous takes longer)
+MAX_LOG_RECORDS = 1_000_000  # Engine.log's records take a few hundred bytes each: a few hundred MB at most
 
 
 @dataclass
@@ -125,38 +143,44 @@ class ServiceConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServiceConfig":
         if not isinstance(data, dict):
-            raise ValueError(f"service config: expected a mapping of sections, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(SECTIONS))
+            raise ValueError(f"service config: expected a mapping of sections, got {describe(data)}")
+        unknown = sorted(str(key) for key in set(data) - set(SECTIONS))
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown section; expected some of {list(SECTIONS)}")
-        sections = {}
-        for name, section_cls in SECTIONS.items():
-            values = data.get(name) or {}
-            if not isinstance(values, dict):
-                raise ValueError(f"{name}: expected a mapping of keys, got {type(values).__name__}")
-            sections[name] = _section_from_dict(section_cls, values, name)
-        config = cls(**sections)
+        config = cls(**{name: _section_from_dict(section_cls, section_values(data, name), name)
+                        for name, section_cls in SECTIONS.items()})
         config.validate()
         return config
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ServiceConfig":
-        import yaml
+        """The engine's part of a service file, loaded as `serve` loads it: the `server:` section is
+        checked too (and then left to the HTTP service), and so are the host's limits."""
+        from latentmoe_lab.server.settings import ServerSettings  # lazy: the server package builds on this one
+        from latentmoe_lab.serving.host_limits import check_fits_host
+        from latentmoe_lab.serving.planner import check_engine_plan
 
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"path: no service config file at {str(path)!r}")
-        return cls.from_dict(yaml.safe_load(path.read_text()) or {})
+        data = read_service_file(path, "path")
+        with errors_name_file(path):
+            ServerSettings.from_dict(section_values(data, "server"))
+            config = cls.from_dict({key: value for key, value in data.items() if key != "server"})
+            check_engine_plan(config)
+            check_fits_host(config)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def validate(self) -> None:
         m, p, mem, s = self.model, self.parallel, self.memory, self.scheduler
-        _positive_int("model.max_model_len", m.max_model_len)
+        for name in SECTIONS:
+            check_field_types(getattr(self, name), prefix=f"{name}.")
+        _check(m.name.strip() != "", "model.name", "must not be empty")
+        _check(m.max_model_len >= MIN_MODEL_LEN, "model.max_model_len",
+               f"must be >= {MIN_MODEL_LEN} (a prompt token and a generated one), got {describe(m.max_model_len)}")
         _choice("model.dtype", m.dtype, WEIGHT_DTYPES)
-        _check(isinstance(m.seed, int) and not isinstance(m.seed, bool), "model.seed",
-               f"must be an integer, got {m.seed!r}")
+        _check(m.seed >= 0, "model.seed", f"must be an integer in [0, 2^63), got {describe(m.seed)}")
+        _check(m.checkpoint != "", "model.checkpoint", "must not be empty (leave it out, or name a directory)")
         _check(not (m.preset and m.checkpoint), "model.checkpoint",
                "give model.preset or model.checkpoint, not both")
         _check(m.checkpoint_if_present is None or m.preset is not None, "model.checkpoint_if_present",
@@ -168,18 +192,13 @@ class ServiceConfig:
             _choice("model.preset", m.preset, tuple(sorted(PRESETS)))
         for key in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size"):
             _positive_int(f"parallel.{key}", getattr(p, key))
-        _check(isinstance(p.forward_process, bool), "parallel.forward_process",
-               f"must be true or false, got {p.forward_process!r}")
-        _check(isinstance(p.forward_threads, int) and not isinstance(p.forward_threads, bool)
-               and p.forward_threads >= 0, "parallel.forward_threads",
-               f"must be an integer >= 0 (0: this process's thread count), got {p.forward_threads!r}")
-        _check(_is_number(p.group_timeout_s) and 0 < p.group_timeout_s <= 3600, "parallel.group_timeout_s",
-               f"must be a number of seconds in (0, 3600], got {p.group_timeout_s!r}")
+        _check(p.forward_threads >= 0, "parallel.forward_threads",
+               f"must be an integer >= 0 (0: this process's thread count), got {describe(p.forward_threads)}")
+        _check(MIN_GROUP_TIMEOUT_S <= p.group_timeout_s <= 3600, "parallel.group_timeout_s",
+               f"must be a number of seconds in [{MIN_GROUP_TIMEOUT_S}, 3600], got {describe(p.group_timeout_s)}")
         _choice("memory.kv_cache_dtype", mem.kv_cache_dtype, CACHE_DTYPES)
-        _check(_is_number(mem.gpu_memory_utilization) and 0 < mem.gpu_memory_utilization <= 1,
-               "memory.gpu_memory_utilization", f"must be a number in (0, 1], got {mem.gpu_memory_utilization!r}")
-        for key in ("enable_paged_attention", "enable_prefix_caching"):
-            _check(isinstance(getattr(mem, key), bool), f"memory.{key}", f"must be true or false, got {getattr(mem, key)!r}")
+        _check(0 < mem.gpu_memory_utilization <= 1, "memory.gpu_memory_utilization",
+               f"must be a number in (0, 1], got {describe(mem.gpu_memory_utilization)}")
         _check(mem.enable_paged_attention, "memory.enable_paged_attention",
                "must be true: the engine serves from paged pools only (the contiguous cache is model.generate's)")
         _positive_int("memory.max_num_seqs", mem.max_num_seqs)
@@ -187,24 +206,19 @@ class ServiceConfig:
         if mem.cache_bytes is not None:
             _positive_int("memory.cache_bytes", mem.cache_bytes)
         if mem.prefix_snapshot_slots is not None:
-            _check(isinstance(mem.prefix_snapshot_slots, int) and not isinstance(mem.prefix_snapshot_slots, bool)
-                   and mem.prefix_snapshot_slots >= 0, "memory.prefix_snapshot_slots",
-                   f"must be an integer >= 0, got {mem.prefix_snapshot_slots!r}")
+            _check(mem.prefix_snapshot_slots >= 0, "memory.prefix_snapshot_slots",
+                   f"must be an integer >= 0, got {describe(mem.prefix_snapshot_slots)}")
             _check(mem.enable_prefix_caching or mem.prefix_snapshot_slots == 0, "memory.prefix_snapshot_slots",
                    "snapshots serve prefix caching only: set memory.enable_prefix_caching true or leave this out")
         from latentmoe_lab.parallel.hardware import HARDWARE
 
         _choice("memory.device", mem.device, tuple(HARDWARE))
         _positive_int("scheduler.max_batch_size", s.max_batch_size)
-        _check(isinstance(s.chunked_prefill, bool), "scheduler.chunked_prefill",
-               f"must be true or false, got {s.chunked_prefill!r}")
         _positive_int("scheduler.prefill_chunk_size", s.prefill_chunk_size)
-        _check(isinstance(s.max_step_retries, int) and not isinstance(s.max_step_retries, bool)
-               and s.max_step_retries >= 0, "scheduler.max_step_retries",
-               f"must be an integer >= 0, got {s.max_step_retries!r}")
-        _positive_int("scheduler.max_log_records", s.max_log_records)
-        _check(isinstance(s.batch_invariant, bool), "scheduler.batch_invariant",
-               f"must be true or false, got {s.batch_invariant!r}")
+        _check(s.max_step_retries >= 0, "scheduler.max_step_retries",
+               f"must be an integer >= 0, got {describe(s.max_step_retries)}")
+        _check(1 <= s.max_log_records <= MAX_LOG_RECORDS, "scheduler.max_log_records",
+               f"must be a positive integer, at most {MAX_LOG_RECORDS}, got {describe(s.max_log_records)}")
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")
@@ -217,40 +231,39 @@ class ServiceConfig:
         return "bf16" if self.model.dtype == "fp8" else self.model.dtype
 
 
+def read_service_file(path: str | Path, name: str) -> dict[str, Any]:
+    """The mapping of sections in a service file (yaml_loader's rules; `name` is the argument errors name)."""
+    data = read_yaml_file(path, name)
+    if not isinstance(data, dict):
+        raise ValueError(f"{file_label(path)}: a service file is a mapping of sections (model:, parallel:, "
+                         f"memory:, scheduler:, server:), got {describe(data)}")
+    return data
+
+
+def section_values(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """The keys of section `name`: {} when absent or left empty (null); an error for any other non-mapping."""
+    values = data.get(name)
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{name}: expected a mapping of keys (or nothing), got {describe(values)}")
+    return values
+
+
 def _section_from_dict(section_cls, values: dict[str, Any], section: str):
-    known = {f.name: f for f in fields(section_cls)}
-    for key, value in values.items():
+    known = [f.name for f in fields(section_cls)]
+    for key in values:
         if key not in known:
-            raise ValueError(f"{section}.{key}: unknown key; expected some of {list(known)}")
-        _check_type(f"{section}.{key}", value, known[key].type)
-    return section_cls(**values)
+            raise ValueError(f"{section}.{key}: unknown key; expected some of {known}")
+    return section_cls(**values)  # types and ranges: validate()
 
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
-
-
-def _check_type(path: str, value: Any, annotation: str) -> None:
-    """Check a YAML value against a field annotation such as 'int | None' (bool is not an int here)."""
-    names = [part.strip() for part in str(annotation).split("|")]
-    if value is None:
-        _check("None" in names, path, "must not be empty (null)")
-        return
-    allowed = tuple(t for name in names if name != "None" for t in _TYPES[name])
-    ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
-    _check(ok, path, f"expected {' or '.join(n for n in names if n != 'None')}, got {type(value).__name__} {value!r}")
-
-
-def _positive_int(path: str, value: Any) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, path,
-           f"must be a positive integer, got {value!r}")
+def _positive_int(path: str, value: int) -> None:
+    _check(value >= 1, path, f"must be a positive integer, got {describe(value)}")
 
 
 def _choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
-    _check(value in choices, path, f"must be one of {list(choices)}, got {value!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    _check(value in choices, path, f"must be one of {list(choices)}, got {describe(value)}")
 
 
 def _check(ok: bool, path: str, rule: str) -> None:

@@ -46,7 +46,7 @@ from latentmoe_lab.serving.logprobs import TokenLogprob, token_logprobs
 from latentmoe_lab.serving.model_runner import ModelRunner, record_prompt_logprobs
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
 from latentmoe_lab.serving.pipeline_stage import plan_stages
-from latentmoe_lab.serving.planner import allocate_pools, plan_cache
+from latentmoe_lab.serving.planner import allocate_pools, plan_cache, with_cache_budget
 from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
@@ -76,7 +76,7 @@ class Engine:
     def __init__(self, model, service_config: ServiceConfig, device: torch.device | str = "cpu"):
         if not isinstance(service_config, ServiceConfig):
             raise TypeError(f"service_config: expected a ServiceConfig, got {type(service_config).__name__}")
-        cfg = service_config
+        cfg = with_cache_budget(model.config, service_config, device)  # no memory.cache_bytes: a CPU default
         layout = serving_layout(model.config, cfg.parallel)  # None: the forward runs here; else on workers
         if layout is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device: parallel serving runs its gloo workers on the CPU, got {device}")

@@ -6,11 +6,14 @@
     blocks = (budget - slots * per_slot) // per_block
 
 The bytes come from paged_pool_bytes, the function PagedPools' allocation is checked against, so the plan
-and the allocation agree to the byte. `plan_cache` plans the in-process engine (budget memory.cache_bytes); service_plan.py plans one device
-of a multi-device deployment with it.
+and the allocation agree to the byte. `plan_cache` plans the in-process engine (budget memory.cache_bytes;
+with_cache_budget gives an Engine on a CPU a default when it is left out); service_plan.py plans one
+device of a multi-device deployment with it.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,7 @@ from latentmoe_lab.quant.kv import kv_formats
 from latentmoe_lab.serving.config import ServiceConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,14 +85,10 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
     mem = service.memory
     budget = mem.cache_bytes if budget is None else budget
     if budget is None:
-        raise ValueError("memory.cache_bytes: required to size the caches of the in-process engine")
+        raise ValueError("memory.cache_bytes: required to size the caches of the in-process engine "
+                         "(only an Engine on a CPU takes a default share of the host's memory)")
     dtype, latent_format, index_format = cache_formats(config, service)
-
-    def total(num_blocks: int, num_slots: int) -> int:
-        return sum(paged_pool_bytes(config, num_blocks, mem.block_size, num_slots, dtype, latent_format,
-                                    index_format).values())
-
-    block_bytes, slot_bytes = total(1, 0), total(0, 1)
+    block_bytes, slot_bytes = pools_bytes(config, service, 1, 0), pools_bytes(config, service, 0, 1)
     rows = mem.max_num_seqs + mem.snapshot_slots
     if rows * slot_bytes > budget:
         raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots "
@@ -104,6 +104,61 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
                          f"({per_sequence} blocks for {service.model.max_model_len} tokens)")
     return CachePlan(config, num_blocks, mem.block_size, mem.max_num_seqs, mem.snapshot_slots, dtype,
                      latent_format, index_format, budget, block_bytes, slot_bytes)
+
+
+def pools_bytes(config: ModelConfig, service: ServiceConfig, num_blocks: int, num_slots: int) -> int:
+    """Bytes of every pool for `num_blocks` blocks and `num_slots` KDA rows in the service's formats."""
+    dtype, latent_format, index_format = cache_formats(config, service)
+    return sum(paged_pool_bytes(config, num_blocks, service.memory.block_size, num_slots, dtype, latent_format,
+                                index_format).values())
+
+
+def default_cache_budget(config: ModelConfig, service: ServiceConfig) -> tuple[int, str]:
+    """(memory.cache_bytes of one rank, how it was chosen) on a CPU when the file leaves it out:
+    host_limits.default_cache_bytes, but without prefix caching no more than every running sequence at
+    model.max_model_len can fill (further blocks could never be used)."""
+    from latentmoe_lab.serving.host_limits import default_cache_bytes
+
+    budget, how = default_cache_bytes(service)
+    if not service.memory.enable_prefix_caching:
+        mem = service.memory
+        blocks = mem.max_num_seqs * -(-service.model.max_model_len // mem.block_size)
+        full = pools_bytes(config, service, blocks, mem.max_num_seqs + mem.snapshot_slots)
+        if full < budget:
+            budget, how = full, (f"{how}; without prefix caching capped at what {mem.max_num_seqs} sequences of "
+                                 f"model.max_model_len fill")
+    return budget, how
+
+
+def with_cache_budget(config: ModelConfig, service: ServiceConfig, device="cpu") -> ServiceConfig:
+    """`service` with memory.cache_bytes set, for an Engine of `config` on `device`: the given value
+    unchanged; left out on a CPU, default_cache_budget, logged; left out elsewhere, unchanged (plan_cache
+    then asks for it). Resolved once per Engine, so every stage of a parallel layout plans one figure."""
+    if service.memory.cache_bytes is not None or torch.device(device).type != "cpu":
+        return service
+    budget, how = default_cache_budget(config, service)
+    log.warning("%s: %s of cache pools per rank", how, format_bytes(budget))
+    return dataclasses.replace(service, memory=dataclasses.replace(service.memory, cache_bytes=budget))
+
+
+def check_engine_plan(service: ServiceConfig) -> None:
+    """Plan what Engine.__init__ would for a service that names a preset (its worker layout, every rank's
+    cache plan), so that a file `serve` would refuse at start is refused when it is loaded; ValueError
+    naming the key. A checkpoint's model is known only once loaded: the Engine checks that one."""
+    if service.model.preset is None:
+        return
+    from latentmoe_lab.serving.parallel_runner import serving_layout  # lazy: both build on this module
+    from latentmoe_lab.serving.pipeline_stage import plan_stages
+
+    config = ModelConfig.from_preset(service.model.preset)
+    if service.memory.cache_bytes is None:
+        budget = default_cache_budget(config, service)[0]
+        service = dataclasses.replace(service, memory=dataclasses.replace(service.memory, cache_bytes=budget))
+    layout = serving_layout(config, service.parallel)
+    if layout is None:
+        plan_cache(config, service)
+    else:
+        plan_stages(config, service, layout)
 
 
 def allocate_pools(config: ModelConfig, plan: CachePlan, device=None) -> PagedPools:

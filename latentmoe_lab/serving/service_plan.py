@@ -10,6 +10,11 @@ For each pipeline stage, one device holds
                  indexer keys are per token, not per head, so TP does not divide them. Sequences are spread
                  over the EP ranks (each attends over its own rows, as parallel/planner.py models it):
                  ceil(max_num_seqs / EP) slots per device.
+
+The layout is checked first, as the engine checks it (serving_layout): EP must divide the routed experts,
+TP the heads and widths, and PP at most the layers; an error names the parallel.* key. The text ends with
+the budget an in-process Engine on this CPU would take (memory.cache_bytes, or its default share of this
+host's memory when left out).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from latentmoe_lab.config import DSA, ModelConfig
 from latentmoe_lab.meta import BITS_PER_WEIGHT, format_bytes
 from latentmoe_lab.quant.kv import kv_bytes_per_token
 from latentmoe_lab.serving.config import ServiceConfig
-from latentmoe_lab.serving.planner import CachePlan, plan_cache
+from latentmoe_lab.serving.planner import CachePlan, default_cache_budget, plan_cache
 
 
 @dataclass
@@ -59,7 +64,10 @@ def plan_service(service: ServiceConfig, config: ModelConfig) -> list[StagePlan]
     from latentmoe_lab.parallel.hardware import HARDWARE, Workload
     from latentmoe_lab.parallel.planner import device_memory, stage_parameters
 
+    from latentmoe_lab.serving.parallel_runner import serving_layout  # lazy: it builds on this module
+
     par = service.parallel
+    serving_layout(config, par)  # ValueError naming parallel.*: e.g. EP past the routed experts
     pconfig = ParallelConfig(tp=par.tensor_parallel_size, ep=par.expert_parallel_size, pp=par.pipeline_parallel_size)
     expert_format = "fp8" if service.model.dtype == "fp8" else "bf16"
     other_bytes = 4 if service.model.dtype == "fp32" else 2
@@ -98,7 +106,18 @@ def service_plan_text(service: ServiceConfig, config: ModelConfig) -> str:
         lines += stage.lines(service.model.max_model_len)
     lines.append("")
     lines.append(per_sequence_text(config, service.model.max_model_len))
+    lines.append("")
+    lines.append(cpu_budget_text(config, service))
     return "\n".join(lines)
+
+
+def cpu_budget_text(config: ModelConfig, service: ServiceConfig) -> str:
+    """The cache budget of each rank of an Engine running this service on this CPU."""
+    given = service.memory.cache_bytes
+    if given is not None:
+        return f"on a CPU (serve, serve-bench): memory.cache_bytes {format_bytes(given)} of cache pools per rank"
+    budget, how = default_cache_budget(config, service)
+    return f"on this CPU (serve, serve-bench): {how}: {format_bytes(budget)} of cache pools per rank"
 
 
 def per_sequence_bytes(config: ModelConfig, seq_len: int, kv_cache_dtype: str) -> dict[str, float]:
