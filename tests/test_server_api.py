@@ -174,6 +174,41 @@ def test_metrics_parse_and_move(service, client):
     assert ("latentmoe_request_retries_total", ()) in after and ("latentmoe_preemptions_total", ()) in after
 
 
+def test_echo_logprobs_through_the_forward_process(client):
+    """Prompt logits come back from the worker process (ForwardBatch.logits_index on the wire)."""
+    import torch
+
+    prompt = PROMPTS[2]
+    ids = list(prompt.encode())
+    choice = client.completions.create(model="tiny-test", prompt=prompt, echo=True, logprobs=1, max_tokens=0).choices[0]
+    config, _ = split_service_dict({**SERVICE, "parallel": {"forward_process": False}})
+    with torch.no_grad():
+        logp = torch.log_softmax(load_model(config)(torch.tensor([ids])).logits[0], dim=-1)
+    expected = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert choice.text == prompt and choice.logprobs.token_logprobs[0] is None
+    assert torch.allclose(torch.tensor(choice.logprobs.token_logprobs[1:]), expected, atol=1e-5)
+
+
+def test_health_says_unavailable_while_the_forward_process_is_stopped(service):
+    url, worker = service[0].url, service[1]
+    pid = worker.engine.runner.pids[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline, health = time.monotonic() + 10, None
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{url}/health")
+            if health.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert health.status_code == 503 and health.json()["reason"] == f"forward worker rank 0 (pid {pid}) stopped"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_killed_forward_process_is_invisible_to_clients(service, client, reference):
     """kill -9 of the forward process mid-generation: the engine starts a fresh one and recomputes; every
     stream completes and equals Engine.generate."""
