@@ -1,0 +1,158 @@
+"""Expert-parallel load balancer: redundant expert slots and a balanced placement (docs/design.md §14).
+
+    phy2log, log2phy, logcnt = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks)
+
+weight [L, E] is the load each logical expert carried in each MoE layer (tokens routed to it over a
+window). The layer gets num_replicas = E + R physical slots, num_replicas / num_ranks per rank; rank r
+holds slots [r * P/N, (r + 1) * P/N). The answer, per layer:
+
+    phy2log [L, P]       int64  the logical expert whose weights sit in each physical slot
+    log2phy [L, E, R+1]  int64  the physical slots of each logical expert, -1 padded
+    logcnt  [L, E]       int64  how many replicas each logical expert has (>= 1, sums to P)
+
+Two building blocks, both greedy:
+- replicate: start from one replica per expert and hand each extra slot to the expert whose load per
+  replica (weight / count) is currently the largest;
+- pack: sort items by weight, heaviest first, and put each on the lightest pack that still has a free
+  place (every pack ends up with the same number of items).
+
+Hierarchical policy (num_groups % num_nodes == 0): pack the expert groups onto nodes, so that the
+experts of one group (which group-limited routing sends a token to together) share a node; replicate
+inside each node with the node's share of the slots; pack each node's replicas onto its ranks. Otherwise
+the global policy: the same steps with one group and one node, i.e. replicate over all slots and pack
+them onto all ranks. The loops run over items and slots; every step is vectorised over layers.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    return value
+
+
+def check_rebalance_args(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+                         num_ranks: int) -> None:
+    """ValueError naming the argument when the placement cannot be built."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0:
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight: expected a non-empty 2-D tensor [layers, experts], got {shape}")
+    if weight.is_complex() or not torch.isfinite(weight.float()).all() or (weight < 0).any():
+        raise ValueError("weight: loads must be finite and >= 0")
+    num_experts = weight.shape[1]
+    for name, value in (("num_replicas", num_replicas), ("num_groups", num_groups), ("num_nodes", num_nodes),
+                        ("num_ranks", num_ranks)):
+        _positive_int(name, value)
+    if num_replicas < num_experts:
+        raise ValueError(f"num_replicas: must be >= the number of experts ({num_experts}), got {num_replicas}")
+    if num_replicas % num_ranks:
+        raise ValueError(f"num_replicas: must divide evenly over num_ranks={num_ranks}, got {num_replicas}")
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups: must divide the number of experts ({num_experts}), got {num_groups}")
+    if num_ranks % num_nodes:
+        raise ValueError(f"num_nodes: must divide num_ranks={num_ranks}, got {num_nodes}")
+
+
+def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [L, n] -> (pack [L, n], place [L, n]): heaviest item first onto the lightest non-full pack
+    (ties to the lower pack index); each of the num_packs packs takes n / num_packs items."""
+    layers, items = weight.shape
+    capacity = items // num_packs
+    pack = torch.empty(layers, items, dtype=torch.int64)
+    place = torch.empty(layers, items, dtype=torch.int64)
+    order = weight.sort(dim=-1, descending=True, stable=True).indices
+    pack_load = torch.zeros(layers, num_packs, dtype=torch.float64)
+    pack_fill = torch.zeros(layers, num_packs, dtype=torch.int64)
+    rows = torch.arange(layers)
+    for j in range(items):
+        item = order[:, j]
+        open_load = pack_load.masked_fill(pack_fill >= capacity, float("inf"))
+        chosen = open_load.argmin(dim=-1)  # the first minimum: ties go to the lower pack
+        pack[rows, item] = chosen
+        place[rows, item] = pack_fill[rows, chosen]
+        pack_load[rows, chosen] += weight[rows, item]
+        pack_fill[rows, chosen] += 1
+    return pack, place
+
+
+def replicate_experts(weight: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [L, n] -> (slot2item [L, num_slots], replica index of each slot [L, num_slots], count [L, n]).
+    Slot i < n holds item i; each later slot goes to the item with the largest weight / count."""
+    layers, items = weight.shape
+    rows = torch.arange(layers)
+    slot2item = torch.arange(num_slots).repeat(layers, 1)
+    replica = torch.zeros(layers, num_slots, dtype=torch.int64)
+    count = torch.ones(layers, items, dtype=torch.int64)
+    for slot in range(items, num_slots):
+        item = (weight / count).argmax(dim=-1)
+        slot2item[:, slot] = item
+        replica[:, slot] = count[rows, item]
+        count[rows, item] += 1
+    return slot2item, replica, count
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    """Row-wise inverse of permutations [L, n]."""
+    inverse = torch.empty_like(permutation)
+    inverse.scatter_(1, permutation, torch.arange(permutation.shape[1]).expand_as(permutation))
+    return inverse
+
+
+def _hierarchical(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+                  num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (phy2log [L, P], replica index of each slot [L, P], logcnt [L, E])."""
+    layers, num_experts = weight.shape
+    group_size, groups_per_node = num_experts // num_groups, num_groups // num_nodes
+    experts_per_node, slots_per_node = num_experts // num_nodes, num_replicas // num_nodes
+    slots_per_rank = num_replicas // num_ranks
+
+    # 1. groups onto nodes. Renumber the experts node-major ("node-local" ids): node n owns the
+    #    contiguous range [n * E/nodes, (n + 1) * E/nodes), its groups in packing order.
+    group_load = weight.unflatten(-1, (num_groups, group_size)).sum(-1)  # [L, G]
+    group_node, group_place = balanced_packing(group_load, num_nodes)
+    first_id = (group_node * groups_per_node + group_place) * group_size  # [L, G]
+    log2local = (first_id[:, :, None] + torch.arange(group_size)).flatten(1)  # [L, E]
+    local2log = _inverse(log2local)
+
+    # 2. replicas within each node: every node is a row of its own here.
+    local_load = weight.gather(-1, local2log).reshape(layers * num_nodes, experts_per_node)
+    slot2local, slot_replica, local_count = replicate_experts(local_load, slots_per_node)
+
+    # 3. each node's slots onto its ranks, by load per replica.
+    slot_load = (local_load / local_count).gather(-1, slot2local)
+    rank, place = balanced_packing(slot_load, num_ranks // num_nodes)
+    final2slot = _inverse(rank * slots_per_rank + place)  # final slot order inside the node -> packed slot
+    final2local = slot2local.gather(-1, final2slot)
+    node_offset = (torch.arange(num_nodes) * experts_per_node).repeat(layers)[:, None]
+    final2local = (final2local + node_offset).reshape(layers, num_replicas)
+    phy2log = local2log.gather(-1, final2local)
+    replica = slot_replica.gather(-1, final2slot).reshape(layers, num_replicas)
+    logcnt = local_count.reshape(layers, num_experts).gather(-1, log2local)
+    return phy2log, replica, logcnt
+
+
+def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [L, E] loads -> (phy2log [L, P], log2phy [L, E, P - E + 1] -1 padded, logcnt [L, E]), int64.
+
+    Hierarchical policy when num_groups % num_nodes == 0, else global (module docstring).
+    """
+    check_rebalance_args(weight, num_replicas, num_groups, num_nodes, num_ranks)
+    weight = weight.detach().to("cpu", torch.float64)
+    layers, num_experts = weight.shape
+    if num_groups % num_nodes == 0:
+        phy2log, replica, logcnt = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_ranks)
+    else:
+        phy2log, replica, logcnt = _hierarchical(weight, num_replicas, 1, 1, num_ranks)
+    max_replicas = num_replicas - num_experts + 1
+    log2phy = torch.full((layers, num_experts * max_replicas), -1, dtype=torch.int64)
+    log2phy.scatter_(1, phy2log * max_replicas + replica, torch.arange(num_replicas).expand(layers, -1))
+    return phy2log, log2phy.view(layers, num_experts, max_replicas), logcnt
+
+
+def default_placement(num_layers: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout without a balancer (parallel/expert.py): slot e holds expert e, one replica each."""
+    phy2log = torch.arange(num_experts).repeat(num_layers, 1)
+    return phy2log, phy2log[:, :, None].clone(), torch.ones(num_layers, num_experts, dtype=torch.int64)
