@@ -3,12 +3,17 @@
     settings.py     the service file: ServiceConfig (§6.1) + our `server:` section (retries, restarts, limits)
     loading.py      a ServiceConfig -> the model it serves (preset + seed, or a checkpoint directory)
     errors.py       APIError: an HTTP status + an OpenAI-style error body naming the field
-    protocol.py     request JSON -> checked prompt ids + SamplingParams; the chat template
+    fields.py       one request field -> a checked value, or a 400 naming it
+    protocol.py     request JSON -> checked prompt ids + SamplingParams + the OpenAI options; the chat template
     detokenizer.py  generated ids -> text, one token at a time, equal to ByteTokenizer.decode of them all
-    stops.py        stop strings over streamed text (the held-back tail that might start a stop)
+    stops.py        stop strings over streamed text (incremental matching, the held-back tail)
+    choices.py      one choice as its tokens arrive: text cut at stops, tokens with logprobs and offsets
+    responses.py    the OpenAI response and chunk objects (choices, logprobs, usage)
     prom.py         Prometheus metrics on the service's own registry
     worker.py       EngineWorker: the engine's thread; retries, restarts, requests re-queued by recompute
-    app.py          the FastAPI app: routes, API key, body limit, SSE streaming, disconnect = abort
+    samples.py      one HTTP request's n / best_of engine requests and their events; disconnect = abort all
+    answer.py       the samples -> one JSON body or server-sent events (echo, stops, best_of)
+    app.py          the FastAPI app: routes, API key, body limit and timeout, /health
     soak.py         the soak run: mixed requests through the openai client, sampled, drift table, report
     cli.py          `latentmoe-lab serve` and `latentmoe-lab soak`
 
