@@ -171,12 +171,12 @@ class ModelConfig:
         }
         for name, value in positive.items():
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                   name, f"must be a positive integer, got {value!r}")
+                   name, f"must be a positive integer, got {describe(value)}")
         non_negative = {"first_dense_layers": self.first_dense_layers,
                         "mla.qk_rope_head_dim": self.mla.qk_rope_head_dim,
                         "moe.num_shared_experts": self.moe.num_shared_experts}
         for name, value in non_negative.items():
-            _check(isinstance(value, int) and value >= 0, name, f"must be an integer >= 0, got {value!r}")
+            _check(isinstance(value, int) and value >= 0, name, f"must be an integer >= 0, got {describe(value)}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         _check(self.initializer_range > 0, "initializer_range", "must be > 0 (the std of the initial weights)")
         _check(self.kda.chunk_size <= MAX_KDA_CHUNK_SIZE, "kda.chunk_size",
@@ -190,7 +190,7 @@ class ModelConfig:
                f"({self.first_dense_layers}) must not exceed num_layers ({self.num_layers})")
 
         k = self.kda
-        _check(k.gate_form in GATE_FORMS, "kda.gate_form", f"must be one of {GATE_FORMS}, got {k.gate_form!r}")
+        _check(k.gate_form in GATE_FORMS, "kda.gate_form", f"must be one of {GATE_FORMS}, got {describe(k.gate_form)}")
         _check(k.gate_lower_bound < 0, "kda.gate_lower_bound", "must be negative (a log-space decay bound)")
         _check(k.output_gate_rank is None or k.output_gate_rank >= 1, "kda.output_gate_rank",
                "must be None (full rank) or a positive integer")
@@ -230,7 +230,8 @@ class ModelConfig:
             for name in ("patch_size", "in_channels", "hidden_size", "num_layers", "num_heads",
                          "intermediate_size", "merge_size"):
                 value = getattr(v, name)
-                _check(isinstance(value, int) and value >= 1, f"vision.{name}", f"must be a positive integer, got {value!r}")
+                _check(isinstance(value, int) and value >= 1, f"vision.{name}",
+                       f"must be a positive integer, got {describe(value)}")
             _check(v.hidden_size % v.num_heads == 0, "vision.num_heads",
                    f"({v.num_heads}) must divide vision.hidden_size ({v.hidden_size})")
             _check((v.hidden_size // v.num_heads) % 4 == 0, "vision.num_heads",
@@ -240,7 +241,7 @@ class ModelConfig:
                    "vision.image_end_id": v.image_end_id}
             for name, value in ids.items():
                 _check(isinstance(value, int) and 0 <= value < self.vocab_size, name,
-                       f"must be a token id in [0, vocab_size={self.vocab_size}), got {value!r}")
+                       f"must be a token id in [0, vocab_size={self.vocab_size}), got {describe(value)}")
             _check(len(set(ids.values())) == 3, "vision.image_token_id",
                    f"image placeholder, start and end ids must differ, got {sorted(ids.values())}")
 
@@ -314,7 +315,7 @@ class ModelConfig:
     @classmethod
     def from_preset(cls, name: str) -> "ModelConfig":
         if name not in PRESETS:
-            raise ValueError(f"preset: unknown name {name!r}; choose one of {sorted(PRESETS)}")
+            raise ValueError(f"preset: unknown name {describe(name)}; choose one of {sorted(PRESETS)}")
         return cls.from_dict(copy.deepcopy(PRESETS[name]))
 
 

@@ -143,11 +143,12 @@ class _Refused(yaml.MarkedYAMLError):
         super().__init__(problem=problem, problem_mark=mark)
 
 
-def parse_yaml(text: str, source: str = "text"):
+def parse_yaml(text: str, source: str = "text", reference: bool = False):
     """One YAML document of the config subset -> Python data (dicts with str keys, lists, scalars).
 
     `source` names the text in errors (a file path, or "text"). Raises ValueError (one line) naming
-    source, line and column; TypeError when `text` is not a str."""
+    source, line and column; TypeError when `text` is not a str. reference=True scans and parses in
+    pure Python (PyYAML's own scanner), the twin the libyaml path is tested against."""
     if not isinstance(text, str):
         raise TypeError(f"{source}: expected YAML text as a str, got {type(text).__name__}")
     bad = Reader.NON_PRINTABLE.search(text)  # before libyaml, which counts bytes and chokes on surrogates
@@ -158,7 +159,7 @@ def parse_yaml(text: str, source: str = "text"):
                          f"#x{ord(bad.group()):04x} is not allowed")
     loader = None
     try:
-        loader = _LOADER(text)
+        loader = (_PythonLoader if reference else _LOADER)(text)
         data = loader.get_single_data()
     except yaml.MarkedYAMLError as error:
         raise ValueError(_marked_message(source, error)) from None

@@ -3,11 +3,14 @@ import json
 import math
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
 from latentmoe_lab.config import MAX_KDA_CHUNK_SIZE, ModelConfig
 from latentmoe_lab.config_fields import ConfigTypeError
+
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
 
 
 def _tiny_with(**changes):
@@ -229,3 +232,23 @@ def test_model_config_yaml_round_trips_through_the_strict_loader(tmp_path):
     (tmp_path / "typed.yaml").write_text(cfg.to_yaml().replace("hidden_size: 64", "hidden_size: 0x40"))
     with pytest.raises(TypeError, match=r"typed\.yaml: hidden_size: expected int, got '0x40'"):
         ModelConfig.from_yaml_file(tmp_path / "typed.yaml")
+
+
+def test_the_libyaml_path_reads_and_refuses_as_the_pure_python_reference():
+    from latentmoe_lab.yaml_loader import parse_yaml
+
+    texts = [(CONFIG_DIR / name).read_text() for name in sorted(os.listdir(CONFIG_DIR)) if name.endswith(".yaml")]
+    texts += [ModelConfig.from_preset("tiny").to_yaml(), "a: [1, 2.5, -3, .inf, null, true, 'x', \"y\"]\n",
+              "a: |\n  two\n  lines\n", "{a: {b: [c, {d: e}]}}", "a: 1:04\nb: 0x40\nc: yes\n", "? a\n: 1\n",
+              "a: &x 1\n", "a: *x\n", "a: !!str 1\n", "a: 1\na: 2\n", "1: a\n", "a: [1\n", "a:\n\tb: 1\n",
+              "a: 1\n---\nb: 2\n", "a: " + "[" * 40 + "]" * 40, "a: " + "9" * 40, "", "a: \x07\n", "- 1\n- 2\n"]
+    for text in texts:
+        outcomes = []
+        for reference in (False, True):
+            try:
+                outcomes.append(("data", parse_yaml(text, "f", reference=reference)))
+            except ValueError as error:  # the position and the rule; YAML syntax errors are worded differently
+                message = str(error)
+                outcomes.append(("error", message.split(": not valid YAML")[0] if "not valid YAML" in message
+                                 else message))
+        assert outcomes[0] == outcomes[1], text[:80]

@@ -56,7 +56,7 @@ def test_cpu_config_parses_and_plans():
     ({"model": {"seed": -1}}, "model.seed: must be an integer in \\[0, 2\\^63\\)"),
     ({"model": {"seed": 2 ** 64}}, "model.seed: must fit in int64"),
     ({"memory": {"cache_bytes": 2 ** 64}}, "memory.cache_bytes: must fit in int64"),
-    ({"scheduler": {"max_log_records": 10 ** 12}}, "scheduler.max_log_records: must be a positive integer, at most 1000000"),
+    ({"scheduler": {"max_log_records": 10 ** 12}}, "scheduler.max_log_records: must be a positive integer, at most"),
     ({"parallel": {"tensor_parallel_size": 0}}, "parallel.tensor_parallel_size: must be a positive integer"),
     ({"parallel": {"group_timeout_s": 0}}, "parallel.group_timeout_s: must be a number of seconds in \\[0.1, 3600\\]"),
     ({"parallel": {"group_timeout_s": 0.001}}, "parallel.group_timeout_s: must be a number of seconds in \\[0.1"),
