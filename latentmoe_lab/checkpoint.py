@@ -4,18 +4,22 @@
     DIR/model.safetensors                 every tensor of the state dict, when it fits in max_shard_size
     DIR/model-0000k-of-0000n.safetensors  otherwise, shards of at most max_shard_size bytes each ...
     DIR/model.safetensors.index.json      ... and {"metadata": {"total_size"}, "weight_map": {name: shard}}
+    DIR/checksums.json                    size and SHA-256 of each safetensors file and the index
     DIR/tokenizer.json, tokenizer_config.json, special_tokens_map.json   the byte tokenizer for Hugging Face
                                           tools (tokenizer_files.py)
 
-Saving is atomic at the directory level: everything is written (and fsynced) into a hidden sibling
-`.DIR.tmp-<pid>`, then the old DIR is renamed to `DIR.previous`, the new one to DIR, and the previous
-one removed. A save killed at any point leaves either DIR or `DIR.previous` complete, and `load` falls
-back to `DIR.previous` (with a warning) in the one instant where DIR is missing. Files in DIR that are
-not part of a checkpoint are carried over to the new directory.
+Saving goes only where checkpoint_dir.check_output_dir allows (never ".", "..", the working directory, a
+root, a foreign non-empty directory or the source being read), and is atomic at the directory level:
+everything is written (and fsynced) into a marked hidden sibling `.DIR.latentmoe-tmp-<pid>`, then the old
+DIR is renamed to `DIR.previous`, the new one to DIR, and the previous one removed. A save killed at any
+point leaves either DIR or `DIR.previous` complete, and `load` falls back to `DIR.previous` (with a
+warning) in the one instant where DIR is missing. Files in DIR that are not part of a checkpoint are
+carried over to the new directory.
 
-Loading builds the model under accelerate's `init_empty_weights` (no memory), checks the names and
-shapes in the safetensors headers against it, then calls `load_checkpoint_and_dispatch`, so a device
-map ("auto", {"layers.3": "disk", ...}) with CPU or disk offload works straight from a checkpoint.
+Loading validates every file first (checkpoint_integrity: regular files, well-formed headers whose
+tensors tile the data, checksums), builds the model under accelerate's `init_empty_weights` (no memory),
+checks names, shapes and dtypes against it, then calls `load_checkpoint_and_dispatch`, so a device map
+("auto", {"layers.3": "disk", ...}) with CPU or disk offload works straight from a checkpoint.
 Pickle-based files (.bin, .pt, ...) are refused: loading them can run arbitrary code.
 """
 from __future__ import annotations
@@ -23,17 +27,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from latentmoe_lab.checkpoint_dir import check_output_dir, make_temporary, swap_in
+from latentmoe_lab.checkpoint_integrity import (CHECKSUMS_NAME, dtype_mismatch, read_json_file, stored_tensors,
+                                                verify_files, write_checksums)
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.tokenizer_files import write_tokenizer_files
+from latentmoe_lab.textfile import read_text_file
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -84,27 +90,25 @@ def shard_state_dict(state: Mapping[str, torch.Tensor], max_shard_size: int) -> 
 
 def save_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_size: int | str = "2GB",
                     extra_tensors: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
-                    extra_json: Mapping[str, object] | None = None) -> Path:
-    """Write config.json + safetensors weights into `path`, atomically (see the module docstring).
+                    extra_json: Mapping[str, object] | None = None,
+                    config_fields: Mapping[str, object] | None = None) -> Path:
+    """Write config.json + safetensors weights + checksums.json into `path`, atomically (module docstring).
 
-    extra_tensors {file name: {key: tensor}} and extra_json {file name: object} go into the same
-    directory in the same atomic step (the trainer state lives there). Returns the directory.
+    `path` must pass checkpoint_dir.check_output_dir. extra_tensors {file name: {key: tensor}} and
+    extra_json {file name: object} go into the same directory in the same atomic step (the trainer state
+    lives there); config_fields are added to config.json (a quantized model's recipe). Returns the directory.
     """
-    path = Path(path)
+    path = check_output_dir(path)
     limit = parse_size(max_shard_size)
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
         raise TypeError(f"model: expected a model with a ModelConfig at .config, got {type(config).__name__}")
     for name in list(extra_tensors or {}) + list(extra_json or {}):
-        if "/" in name or name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or name.endswith(PICKLE_SUFFIXES):
+        if "/" in name or name.startswith(".") or _is_checkpoint_file(name) or name.endswith(PICKLE_SUFFIXES):
             raise ValueError(f"extra file {name!r}: must be a plain file name, not a weights / pickle name")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = make_temporary(path)
     write_tokenizer_files(tmp, config.max_position_embeddings)
-    (tmp / CONFIG_NAME).write_text(config.to_json())
+    (tmp / CONFIG_NAME).write_text(json.dumps({**config.to_dict(), **(config_fields or {})}, indent=2))
     shards = shard_state_dict(checkpoint_state_dict(model), limit)
     if len(shards) == 1:
         save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -122,68 +126,21 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_size: in
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / file))
     for file, obj in (extra_json or {}).items():
         (tmp / file).write_text(json.dumps(obj))
-    _fsync_tree(tmp)
-    _swap_in(tmp, path)
+    write_checksums(tmp, [p.name for p in tmp.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_NAME])
+    swap_in(tmp, path, carried_over=lambda name: not _is_checkpoint_file(name))
     return path
 
 
-def _is_checkpoint_file(name: str, extra: set[str]) -> bool:
-    return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or bool(_SHARD_RE.fullmatch(name)) or name in extra
-
-
-def _swap_in(tmp: Path, path: Path) -> None:
-    previous = path.parent / f"{path.name}.previous"
-    if path.exists():
-        if not path.is_dir():
-            raise ValueError(f"path: {path} exists and is not a directory")
-        written = {entry.name for entry in tmp.iterdir()}
-        for entry in path.iterdir():  # carry over what is not ours (a README, a trainer log, ...)
-            if not _is_checkpoint_file(entry.name, written) and not entry.name.endswith(".previous"):
-                os.rename(entry, tmp / entry.name)
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(path, previous)
-    os.rename(tmp, path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(previous, ignore_errors=True)
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Temporary directories left by saves that were killed (their process no longer exists)."""
-    for entry in path.parent.glob(f".{path.name}.tmp-*"):
-        pid = entry.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _fsync_tree(directory: Path) -> None:
-    for entry in directory.iterdir():
-        if entry.is_file():
-            with open(entry, "rb") as handle:
-                os.fsync(handle.fileno())
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _is_checkpoint_file(name: str) -> bool:
+    """Files a save writes itself (an older directory's copies are replaced, never carried over)."""
+    return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, CHECKSUMS_NAME) or bool(_SHARD_RE.fullmatch(name))
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def resolve_checkpoint_dir(path: str | Path) -> Path:
+def resolve_checkpoint_dir(path: str | Path, name: str = "path") -> Path:
     """The directory to read: `path`, or `path.previous` when a save was interrupted between its renames."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected a checkpoint directory path, got {type(path).__name__}")
     path = Path(path)
     if path.is_dir() and (path / CONFIG_NAME).exists():
         return path
@@ -193,10 +150,10 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
                       stacklevel=3)
         return previous
     if not path.exists():
-        raise FileNotFoundError(f"path: no checkpoint directory at {path}")
+        raise FileNotFoundError(f"{name}: no checkpoint directory at {path}")
     if not path.is_dir():
-        raise ValueError(f"path: {path} is a file; from_pretrained takes the checkpoint directory")
-    raise ValueError(f"path: {path} has no {CONFIG_NAME}; not a checkpoint written by save_pretrained")
+        raise ValueError(f"{name}: {path} is a file; a checkpoint is a directory")
+    raise ValueError(f"{name}: {path} has no {CONFIG_NAME}; not a checkpoint written by save_pretrained")
 
 
 def refuse_pickle(directory: Path) -> None:
@@ -207,46 +164,88 @@ def refuse_pickle(directory: Path) -> None:
                          f"loaded (pickle can run arbitrary code). Convert them with safetensors.torch.save_file.")
 
 
-def weight_files(directory: Path) -> tuple[Path, list[Path]]:
-    """(what to hand to accelerate: the single file or the index json, the safetensors files it names)."""
-    index = directory / INDEX_NAME
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"path: {index} has no 'weight_map' of tensor name -> shard file")
+def weight_files(directory: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
+    """(what to hand to accelerate: the single file or the index json, the safetensors files it names,
+    the index's weight_map or None). Exactly one layout may be present: a model.safetensors beside shard
+    files, or shard files the index does not name, are refused (a stale file must not be loaded)."""
+    index, single = directory / INDEX_NAME, directory / WEIGHTS_NAME
+    shards = sorted(p.name for p in directory.iterdir() if _SHARD_RE.fullmatch(p.name))
+    if index.exists() or index.is_symlink():
+        if single.exists() or single.is_symlink():
+            raise ValueError(f"checkpoint file {single}: beside {INDEX_NAME} (a save writes one or the other; "
+                             f"a stale file?); remove the one that does not belong")
+        data = read_json_file(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ValueError(f"checkpoint file {index}: no 'weight_map' of tensor name -> shard file")
         files = sorted(set(weight_map.values()))
-        bad = [f for f in files if not f.endswith(".safetensors") or "/" in f]
+        bad = [f for f in files if not f.endswith(".safetensors") or "/" in f or f.startswith(".")]
         if bad:
-            raise ValueError(f"path: {index} points at non-safetensors files {bad}; only safetensors are loaded")
+            raise ValueError(f"checkpoint file {index}: points at non-safetensors files {bad}; only safetensors "
+                             f"are loaded")
         missing = [f for f in files if not (directory / f).exists()]
         if missing:
-            raise ValueError(f"path: {index} names shard files that are missing: {missing}")
-        return index, [directory / f for f in files]
-    single = directory / WEIGHTS_NAME
-    if single.exists():
-        return single, [single]
+            raise ValueError(f"checkpoint file {index}: names shard files that are missing: {missing}")
+        strays = sorted(set(shards) - set(files))
+        if strays:
+            raise ValueError(f"checkpoint file {directory / strays[0]}: a shard file {INDEX_NAME} does not name "
+                             f"(a stale file?)")
+        return index, [directory / f for f in files], weight_map
+    if single.exists() or single.is_symlink():
+        if shards:
+            raise ValueError(f"checkpoint file {single}: beside shard files {_shorten(shards)} but no {INDEX_NAME} "
+                             f"(a stale file?); remove the one that does not belong")
+        return single, [single], None
     raise ValueError(f"path: {directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
 
 
-def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, read from the safetensors headers only (no tensor data is read)."""
-    shapes = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+def checked_files(directory: Path) -> tuple[Path, list[Path], dict]:
+    """weight_files, then every header validated (checkpoint_integrity) and the index's weight_map checked
+    against the headers. Returns (entry, files, stored_tensors)."""
+    refuse_pickle(directory)
+    entry, files, weight_map = weight_files(directory)
+    stored = stored_tensors(files)
+    if weight_map is not None:
+        for name, (_, _, file) in stored.items():
+            if weight_map.get(name) != file.name:
+                raise ValueError(f"checkpoint file {file}: tensor {name!r} is not where {INDEX_NAME} puts it "
+                                 f"({weight_map.get(name)})")
+        absent = sorted(set(weight_map) - set(stored))
+        if absent:
+            raise ValueError(f"checkpoint file {directory / weight_map[absent[0]]}: tensor {absent[0]!r} named "
+                             f"by {INDEX_NAME} is not in it")
+    return entry, files, stored
 
 
-def check_tensor_names(model: torch.nn.Module, stored: Mapping[str, tuple[int, ...]]) -> None:
-    """ValueError naming the missing and unexpected tensors and every shape mismatch."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+def check_checkpoint(model: torch.nn.Module | None, directory: Path, checked: tuple[Path, list[Path], dict],
+                     verify_checksums: bool = True) -> None:
+    """After checked_files (`checked`, done before the model is built), the rest of what a load checks before
+    reading tensor data, most specific error first: the tensors against `model` unless None
+    (check_tensor_names), then the files against checksums.json (verify_files)."""
+    entry, files, stored = checked
+    if model is not None:
+        check_tensor_names(model, stored, directory)
+    verify_files(directory, files + ([entry] if entry.name == INDEX_NAME else []), verify_checksums)
+
+
+def check_tensor_names(model: torch.nn.Module, stored: Mapping[str, tuple[str, tuple[int, ...], Path]],
+                       directory: Path) -> None:
+    """ValueError naming `directory`, the missing and unexpected tensors, every shape mismatch and every dtype
+    that may not load into the model's (checkpoint_integrity.dtype_mismatch). stored: stored_tensors()."""
+    state = model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in state.items()}
     if getattr(model.config, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
-    mismatched = [f"{name}: checkpoint {list(stored[name])} vs model {list(expected[name])}"
-                  for name in sorted(set(expected) & set(stored)) if stored[name] != expected[name]]
+    common = sorted(set(expected) & set(stored))
+    mismatched = [f"{name}: checkpoint {list(stored[name][1])} in {stored[name][2].name} vs model "
+                  f"{list(expected[name])}"
+                  for name in common if stored[name][1] != expected[name]]
+    wrong_dtype = [f"{name}: checkpoint {stored[name][0]} in {stored[name][2].name} vs model "
+                   f"{str(state[name].dtype).removeprefix('torch.')}"
+                   for name in common if dtype_mismatch(stored[name][0], state[name].dtype)]
     problems = []
     if missing:
         problems.append(f"missing tensors {_shorten(missing)}")
@@ -254,8 +253,11 @@ def check_tensor_names(model: torch.nn.Module, stored: Mapping[str, tuple[int, .
         problems.append(f"unexpected tensors {_shorten(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatches {_shorten(mismatched)}")
+    if wrong_dtype:
+        problems.append(f"dtype mismatches {_shorten(wrong_dtype)}")
     if problems:
-        raise ValueError("checkpoint does not match the model built from its config.json: " + "; ".join(problems))
+        raise ValueError(f"checkpoint {directory} does not match the model built from its config.json: "
+                         + "; ".join(problems))
 
 
 def _shorten(items: list[str], limit: int = 8) -> str:
@@ -264,35 +266,60 @@ def _shorten(items: list[str], limit: int = 8) -> str:
 
 
 def load_checkpoint(model_class: type, path: str | Path, dtype: torch.dtype | None = None,
-                    device_map: str | dict | None = None, offload_folder: str | Path | None = None) -> torch.nn.Module:
+                    device_map: str | dict | None = None, offload_folder: str | Path | None = None,
+                    verify_checksums: bool = True) -> torch.nn.Module:
     """Build `model_class(config)` on empty weights and load the checkpoint at `path` into it (eval mode).
 
     dtype: cast floating parameters (the router's fp32 correction bias stays fp32); device_map: None (all on
     CPU), "auto" or a {module name: device | "cpu" | "disk"} dict as accelerate takes it; offload_folder:
-    where "disk" entries go.
+    where "disk" entries go; verify_checksums: False skips the SHA-256 of each file (sizes are still checked).
+    A quantized checkpoint (quantization_config in config.json) is loaded by quant.checkpoint.load_quantized.
     """
     from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
     directory = resolve_checkpoint_dir(path)
-    refuse_pickle(directory)
+    if _is_quantized(directory):
+        return _load_quantized(directory, dtype, device_map, offload_folder, verify_checksums)
+    checked = checked_files(directory)  # cheap, before building anything
     config = ModelConfig.from_json(directory / CONFIG_NAME)
-    entry, files = weight_files(directory)
     with init_empty_weights():
         model = model_class(config)
     model.tie_weights()  # init_empty_weights re-creates each parameter, which unties the LM head
     if dtype is not None:
         model.to(dtype)  # on meta tensors; accelerate then casts each loaded tensor to its parameter's dtype
-    check_tensor_names(model, stored_shapes(files))
-    model = load_checkpoint_and_dispatch(model, str(entry), device_map={"": "cpu"} if device_map is None else device_map,
+    check_checkpoint(model, directory, checked, verify_checksums)
+    model = load_checkpoint_and_dispatch(model, str(checked[0]),
+                                         device_map={"": "cpu"} if device_map is None else device_map,
                                          no_split_module_classes=["DecoderBlock"], offload_folder=offload_folder,
                                          preload_module_classes=["DecoderBlock", "VisionTower"],
                                          offload_buffers=True)  # else an offloaded block keeps its init-time routing bias
     return model.eval()
 
 
-def load_weights_into(model: torch.nn.Module, path: str | Path) -> Path:
+def _is_quantized(directory: Path) -> bool:
+    from latentmoe_lab.quant.checkpoint import QUANT_KEY
+
+    try:
+        data = json.loads(read_text_file(directory / CONFIG_NAME, "path"))
+    except ValueError:
+        return False  # ModelConfig.from_json reports what is wrong with the file
+    return isinstance(data, dict) and QUANT_KEY in data
+
+
+def _load_quantized(directory: Path, dtype, device_map, offload_folder, verify_checksums: bool) -> torch.nn.Module:
+    from latentmoe_lab.quant.checkpoint import load_quantized
+
+    given = [name for name, value in (("dtype", dtype), ("device_map", device_map),
+                                      ("offload_folder", offload_folder)) if value is not None]
+    if given:
+        raise ValueError(f"{given[0]}: {directory} is a quantized checkpoint, which loads on the CPU as saved; "
+                         f"leave {', '.join(given)} unset (or call latentmoe_lab.quant.checkpoint.load_quantized)")
+    return load_quantized(directory, verify_checksums=verify_checksums)
+
+
+def load_weights_into(model: torch.nn.Module, path: str | Path, verify_checksums: bool = True) -> Path:
     """Copy a checkpoint's tensors into an existing model (same config), checked like load_checkpoint.
 
     Returns the directory read. Used to resume training, where the model already exists.
@@ -300,11 +327,10 @@ def load_weights_into(model: torch.nn.Module, path: str | Path) -> Path:
     from safetensors.torch import load_file
 
     directory = resolve_checkpoint_dir(path)
-    refuse_pickle(directory)
-    _, files = weight_files(directory)
-    check_tensor_names(model, stored_shapes(files))
+    checked = checked_files(directory)
+    check_checkpoint(model, directory, checked, verify_checksums)
     state = {}
-    for file in files:
+    for file in checked[1]:
         state.update(load_file(str(file)))
     # strict=False only for the tied LM head, which check_tensor_names already allowed to be absent
     model.load_state_dict(state, strict=False)

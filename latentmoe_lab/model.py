@@ -112,11 +112,13 @@ class LatentMoEForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device_map=None,
-                        offload_folder=None) -> "LatentMoEForCausalLM":
-        """Load a save_pretrained directory through accelerate (empty weights, then load and dispatch)."""
+                        offload_folder=None, verify_checksums: bool = True) -> "LatentMoEForCausalLM":
+        """Load a save_pretrained (or save_quantized) directory through accelerate (empty weights, then load
+        and dispatch), every file checked first; verify_checksums=False skips the SHA-256 of each file."""
         from latentmoe_lab.checkpoint import load_checkpoint
 
-        return load_checkpoint(cls, path, dtype=dtype, device_map=device_map, offload_folder=offload_folder)
+        return load_checkpoint(cls, path, dtype=dtype, device_map=device_map, offload_folder=offload_folder,
+                               verify_checksums=verify_checksums)
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 cache: HybridCache | None = None, image_grids: torch.Tensor | None = None,

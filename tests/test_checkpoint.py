@@ -92,7 +92,7 @@ def test_missing_unexpected_and_mismatched_tensors_are_named(trained_like, tmp_p
     message = str(error.value)
     assert "missing tensors [layers.2.attn.q_proj.weight]" in message
     assert "unexpected tensors [layers.9.extra]" in message
-    assert "norm.weight: checkpoint [5] vs model [64]" in message
+    assert "norm.weight: checkpoint [5] in model.safetensors vs model [64]" in message
 
 
 def test_pickle_files_are_refused(trained_like, tmp_path):

@@ -42,6 +42,9 @@ def test_plain_and_quantized_checkpoints_are_not_mixed_up(tiny_config, tmp_path)
     model.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="plain checkpoint"):
         load_quantized(tmp_path / "plain")
-    save_quantized(quantize_model(model, "fp8-experts", progress=False), tmp_path / "q")
-    with pytest.raises(ValueError, match="quantization_config"):
-        LatentMoEForCausalLM.from_pretrained(tmp_path / "q")
+    quantized = save_quantized(quantize_model(model, "fp8-experts", progress=False), tmp_path / "q")
+    through_plain_loader = LatentMoEForCausalLM.from_pretrained(quantized)  # goes to load_quantized
+    assert through_plain_loader.quant_recipe == model.quant_recipe
+    _assert_bit_identical(load_quantized(quantized), through_plain_loader)
+    with pytest.raises(ValueError, match="dtype: .* quantized checkpoint.*load_quantized"):
+        LatentMoEForCausalLM.from_pretrained(quantized, dtype=torch.bfloat16)

@@ -15,7 +15,8 @@ Saving: every rank writes only its own chunks (HuggingFaceStorageWriter(save_dis
 tensor is written once, by the rank DCP's de-duplication picks). DCP's default FileSystemWriter pickles its
 .metadata file and any non-tensor value; here the sharding metadata lives in the safetensors headers and
 everything else is JSON, so the directory holds no pickle. Atomic like latentmoe_lab/checkpoint.py: the
-ranks write into `.DIR.tmp-<pid of rank 0>`, and after a barrier rank 0 moves the old DIR to DIR.previous,
+ranks write into `.DIR.latentmoe-tmp-<pid of rank 0>` (checkpoint_dir: only where check_output_dir allows,
+marked as ours), and after a barrier rank 0 moves the old DIR to DIR.previous,
 the new one to DIR, and removes the previous one. The directory belongs to the checkpoint as a whole:
 nothing of an older save is carried over (a stale optimizer state must not outlive its weights).
 
@@ -23,9 +24,9 @@ Loading reshards: any NativeLayout, or a plain single-process module with no pro
 states the chunks it wants (its DTensor local shards, or whole tensors) and HuggingFaceStorageReader
 reads only the overlapping slices (safetensors get_slice). Before anything is read, every file is checked
 (each rank checks the same files, so all of them raise together instead of one waiting in a collective):
-safetensors or JSON by their bytes, never a pickle; the sizes the manifest recorded; well-formed headers;
-chunks that cover each tensor; then every tensor of the target must be in the checkpoint with its global
-shape. Corrupted tensor bytes inside a well-formed file are not detected. An optimizer's state loads
+regular files, safetensors or JSON by their bytes, never a pickle; the sizes and SHA-256 digests the manifest
+recorded (verify_checksums=False skips the digests); well-formed headers; chunks that cover each tensor; then
+every tensor of the target must be in the checkpoint with its global shape. An optimizer's state loads
 per parameter; one that had no state at the save (it never had a gradient) has none after the load.
 See docs/design.md §11.
 """
@@ -47,12 +48,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from latentmoe_lab.checkpoint import (CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, _fsync_dir, _fsync_tree,
-                                      _remove_stale_temporaries, _swap_in, parse_size, shard_state_dict)
+from latentmoe_lab.checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, parse_size, shard_state_dict
+from latentmoe_lab.checkpoint_dir import MARKER_NAME, check_output_dir, make_temporary, swap_in, temporary_path
+from latentmoe_lab.checkpoint_integrity import file_sha256, read_json_file, write_checksums
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.native.build import NativeModel, load_local_shards
 from latentmoe_lab.native.checkpoint_files import (RESERVED_NAMES, FORMAT, MANIFEST_NAME, MODEL_DIR, OPTIMIZER_DIR,
-                                                   OPTIMIZER_JSON, check_sharded, read_json)
+                                                   OPTIMIZER_JSON, SHARDED, check_sharded)
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -61,20 +63,14 @@ def save_sharded(native: NativeModel, directory: str | Path, optimizer: torch.op
     """Collective: every rank of the NativeModel's mesh calls it. Writes DIR as the module docstring lists."""
     if not isinstance(native, NativeModel):
         raise TypeError(f"native: expected a NativeModel (build_native), got {type(native).__name__}")
-    directory = Path(directory)
+    directory = check_output_dir(directory, name="directory", kind=SHARDED)
     texts = {name: _to_json(f"extra_json: {name!r}", value) for name, value in _checked_extras(extra_json).items()}
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"directory: {directory} is a file")
-    if directory.exists() and not (directory / MANIFEST_NAME).exists() and any(directory.iterdir()):
-        raise ValueError(f"directory: {directory} exists and is not a sharded checkpoint (no {MANIFEST_NAME}); "
-                         f"refusing to replace it")
     device = native.device
     rank0 = dist.get_rank() == 0
-    tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_int(os.getpid(), device)}"
+    tmp = temporary_path(directory, _broadcast_int(os.getpid(), device))
     if rank0:
-        _remove_stale_temporaries(directory)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / MODEL_DIR).mkdir(parents=True)
+        make_temporary(directory)
+        (tmp / MODEL_DIR).mkdir()
     dist.barrier()
     _dcp_save(get_model_state_dict(native.module), tmp / MODEL_DIR)
     if optimizer is not None:
@@ -138,18 +134,12 @@ def _finish(tmp: Path, directory: Path, config: ModelConfig, texts: dict[str, st
     (tmp / CONFIG_NAME).write_text(config.to_json())
     for name, text in texts.items():
         (tmp / name).write_text(text)
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    manifest = {"format": FORMAT, "optimizer": OPTIMIZER_JSON in texts, "extra_json": extra_names, "files": files}
+    written = [p for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MARKER_NAME]
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in written}
+    manifest = {"format": FORMAT, "optimizer": OPTIMIZER_JSON in texts, "extra_json": extra_names, "files": files,
+                "sha256": {str(p.relative_to(tmp)): file_sha256(p) for p in written}}
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
-    for folder in [p for p in tmp.iterdir() if p.is_dir()] + [tmp]:
-        _fsync_tree(folder)
-    previous = directory.parent / f"{directory.name}.previous"
-    if directory.exists():
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(directory, previous)
-    os.rename(tmp, directory)
-    _fsync_dir(directory.parent)
-    shutil.rmtree(previous, ignore_errors=True)
+    swap_in(tmp, directory)  # nothing of an older save is carried over
 
 
 def _broadcast_int(value: int, device: torch.device) -> int:
@@ -161,7 +151,7 @@ def _broadcast_int(value: int, device: torch.device) -> int:
 
 # ---------------------------------------------------------------------------------------------- loading
 def load_sharded(module_or_native: NativeModel | nn.Module, directory: str | Path,
-                 optimizer: torch.optim.Optimizer | None = None) -> dict:
+                 optimizer: torch.optim.Optimizer | None = None, verify_checksums: bool = True) -> dict:
     """Fill a NativeModel (any layout; collective over its mesh) or a plain module (no process group needed).
 
     optimizer: also restore its state and hyperparameters (the checkpoint must hold one). Returns the
@@ -170,7 +160,7 @@ def load_sharded(module_or_native: NativeModel | nn.Module, directory: str | Pat
     module = module_or_native.module if isinstance(module_or_native, NativeModel) else module_or_native
     if not isinstance(module, nn.Module):
         raise TypeError(f"module_or_native: expected a NativeModel or an nn.Module, got {type(module).__name__}")
-    checked = check_sharded(directory)
+    checked = check_sharded(directory, verify_checksums)
     directory, manifest = checked.directory, checked.manifest
     if optimizer is not None and not manifest["optimizer"]:
         raise ValueError(f"optimizer: {directory} was saved without an optimizer state")
@@ -178,7 +168,7 @@ def load_sharded(module_or_native: NativeModel | nn.Module, directory: str | Pat
     _load_model(module, directory / MODEL_DIR)
     if optimizer is not None:
         _load_optimizer(module, optimizer, directory, set(checked.shapes[OPTIMIZER_DIR]))
-    return {name: read_json(directory / name) for name in manifest["extra_json"]}
+    return {name: read_json_file(directory / name) for name in manifest["extra_json"]}
 
 
 def _check_names(module: nn.Module, stored: dict[str, tuple[int, ...]]) -> None:
@@ -230,7 +220,7 @@ def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directo
             raise ValueError(f"optimizer: the checkpoint has only part of {param!r}'s state {sorted(values)}")
     state["state"] = kept
     _read(flatten_optimizer_state(kept), folder, distributed=_is_distributed(module))
-    saved = read_json(directory / OPTIMIZER_JSON)
+    saved = read_json_file(directory / OPTIMIZER_JSON)
     if len(saved) != len(state["param_groups"]):
         raise ValueError(f"optimizer: {len(state['param_groups'])} param groups, the checkpoint has {len(saved)}")
     for group, hyper in zip(state["param_groups"], saved):
@@ -240,13 +230,15 @@ def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directo
 
 
 # ---------------------------------------------------------------------------------------------- export
-def export_safetensors(directory: str | Path, out_dir: str | Path, max_shard_size: int | str = "2GB") -> Path:
-    """One process: a sharded checkpoint -> a save_pretrained directory (config.json + safetensors).
+def export_safetensors(directory: str | Path, out_dir: str | Path, max_shard_size: int | str = "2GB",
+                       verify_checksums: bool = True) -> Path:
+    """One process: a sharded checkpoint -> a save_pretrained directory (config.json + safetensors + checksums).
 
     Reads one output shard (at most max_shard_size bytes) at a time, so memory stays near that size;
-    written atomically like save_pretrained. Returns out_dir.
+    written atomically like save_pretrained, where check_output_dir allows. Returns out_dir.
     """
-    directory = check_sharded(directory).directory
+    out_dir = check_output_dir(out_dir, sources=(directory,), name="out_dir")
+    directory = check_sharded(directory, verify_checksums).directory
     config = ModelConfig.from_json(directory / CONFIG_NAME)
     reader = HuggingFaceStorageReader(str(directory / MODEL_DIR))
     metadata = reader.read_metadata().state_dict_metadata
@@ -255,11 +247,7 @@ def export_safetensors(directory: str | Path, out_dir: str | Path, max_shard_siz
     if config.tie_word_embeddings:
         skeleton.pop("lm_head.weight", None)  # stored once, as the embedding (see checkpoint_state_dict)
     shards = shard_state_dict(skeleton, parse_size(max_shard_size))
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = make_temporary(out_dir)
     (tmp / CONFIG_NAME).write_text(config.to_json())
     weight_map, total = {}, 0
     for k, shard in enumerate(shards, start=1):
@@ -272,7 +260,7 @@ def export_safetensors(directory: str | Path, out_dir: str | Path, max_shard_siz
     if len(shards) > 1:
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2))
-    _fsync_tree(tmp)
-    _swap_in(tmp, out_dir)
+    write_checksums(tmp, [p.name for p in tmp.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_NAME])
+    swap_in(tmp, out_dir)
     return out_dir
 

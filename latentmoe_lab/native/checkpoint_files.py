@@ -1,29 +1,29 @@
 """What a sharded checkpoint directory (native/checkpoint.py) must hold, checked without reading tensor data.
 
 Every file must be safetensors or JSON by its bytes (a pickle, a torch.save zip or anything else is
-refused, naming the file); every file the manifest lists must be there with the size the save wrote;
-every safetensors header must describe exactly the bytes its file holds; within model/ and optimizer/
-only the save's own shards may appear, and each tensor's chunks must add up to its whole size (no
-shard file missing). Corrupted tensor bytes inside a well-formed file are not detected (no checksum).
-See docs/design.md §11.
+refused, naming the file); every file the manifest lists must be there with the size and (when
+the manifest records it, as saves since checksums do) the SHA-256 the save wrote; every safetensors header
+must pass checkpoint_integrity's checks (its tensors tile the file's data exactly); within model/ and
+optimizer/ only the save's own shards may appear, and each tensor's chunks must add up to its whole size
+(no shard file missing). A FIFO, device or other non-regular file is refused unread. See docs/design.md §11.
 """
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from latentmoe_lab.checkpoint import CONFIG_NAME, refuse_pickle, resolve_checkpoint_dir
+from latentmoe_lab.checkpoint_dir import OutputKind
+from latentmoe_lab.checkpoint_integrity import file_sha256, open_regular, read_json_file, read_safetensors_header
 
 MANIFEST_NAME = "checkpoint.json"
 MODEL_DIR, OPTIMIZER_DIR, OPTIMIZER_JSON = "model", "optimizer", "optimizer.json"
 FORMAT = "latentmoe-dcp-safetensors-v1"
 RESERVED_NAMES = {CONFIG_NAME, MANIFEST_NAME, MODEL_DIR, OPTIMIZER_DIR, OPTIMIZER_JSON}
-_MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is garbage, not a header
-_ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+SHARDED = OutputKind(f"a sharded checkpoint (with {MANIFEST_NAME})", lambda d: (d / MANIFEST_NAME).is_file())
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ class CheckedCheckpoint:
     shapes: dict[str, dict[str, tuple[int, ...]]]  # "model" / "optimizer" -> tensor name -> global shape
 
 
-def check_sharded(directory: str | Path) -> CheckedCheckpoint:
-    """Validate a sharded checkpoint without reading tensor data.
+def check_sharded(directory: str | Path, verify_checksums: bool = True) -> CheckedCheckpoint:
+    """Validate a sharded checkpoint; tensor data is read only to hash it (verify_checksums=False: not at all).
 
-    ValueError names the file: a pickle or any other non-safetensors / non-JSON file, a size that differs
-    from the manifest's, a malformed header, or a tensor whose chunks do not cover it.
+    ValueError names the file: a pickle or any other non-safetensors / non-JSON file, a size or SHA-256 that
+    differs from the manifest's, a malformed header, or a tensor whose chunks do not cover it.
     """
     directory = resolve_checkpoint_dir(directory)
     for folder in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
@@ -47,15 +47,16 @@ def check_sharded(directory: str | Path) -> CheckedCheckpoint:
         raise ValueError(f"directory: {directory} has no {MANIFEST_NAME}: not a save_sharded checkpoint "
                          f"(a save_pretrained directory loads with from_pretrained or build_native(checkpoint=...))")
     headers = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+    for path in sorted(p for p in directory.rglob("*") if p.is_symlink() or not p.is_dir()):
         kind = file_kind(path)
         if kind not in ("json", "safetensors"):
             raise ValueError(f"checkpoint file {path}: {kind}; only safetensors and JSON files are loaded"
                              + (" (pickle can run arbitrary code)" if "pickle" in kind else ""))
         if kind == "safetensors":
             headers[path] = read_safetensors_header(path)
-    manifest = read_json(manifest_path)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    manifest = read_json_file(manifest_path)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
+            manifest.get("files"), dict) or not isinstance(manifest.get("sha256", {}), dict):
         raise ValueError(f"checkpoint file {manifest_path}: not a {FORMAT} manifest")
     for name, size in manifest["files"].items():
         path = directory / name
@@ -64,6 +65,10 @@ def check_sharded(directory: str | Path) -> CheckedCheckpoint:
         if path.stat().st_size != size:
             raise ValueError(f"checkpoint file {path}: {path.stat().st_size} bytes, the save wrote {size} "
                              f"(truncated or overwritten)")
+        recorded = manifest.get("sha256", {}).get(name)  # absent in saves from before checksums
+        if verify_checksums and recorded is not None and file_sha256(path) != recorded:
+            raise ValueError(f"checkpoint file {path}: its SHA-256 differs from the one recorded at the save "
+                             f"(the file was corrupted or changed; verify_checksums=False skips this check)")
     strays = [p for p in headers if str(p.relative_to(directory)) not in manifest["files"]]
     if strays:  # the reader takes every *.safetensors file of a folder: a foreign one would be read as a shard
         raise ValueError(f"checkpoint file {strays[0]}: not written by the save (not in {MANIFEST_NAME})")
@@ -75,7 +80,7 @@ def check_sharded(directory: str | Path) -> CheckedCheckpoint:
 
 def file_kind(path: Path) -> str:
     """"safetensors", "json", or a description of what the file's first bytes say it is."""
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         head = handle.read(16)
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a pickle (it starts with a pickle protocol opcode)"
@@ -83,45 +88,13 @@ def file_kind(path: Path) -> str:
         return "a zip archive (torch.save's format: a pickle inside)"
     if path.suffix == ".json":
         try:  # the JSON files are small (config, manifest, hyperparameters, trainer state): parse them whole
-            json.loads(path.read_bytes())
+            json.loads(path.read_bytes())  # a regular file: open_regular above checked it
             return "json"
         except (UnicodeDecodeError, json.JSONDecodeError):
             return "a .json file that is not valid JSON"
     if path.suffix == ".safetensors" and len(head) >= 9 and head[8:9] == b"{":
         return "safetensors"
     return f"unrecognised content (first bytes {head[:8]!r})"
-
-
-def read_safetensors_header(path: Path) -> dict:
-    """The parsed header of a safetensors file, after checking that the data it describes fits the file exactly."""
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if not 0 < length <= min(_MAX_HEADER, size - 8):
-            raise ValueError(f"checkpoint file {path}: not a safetensors file (header length {length}, "
-                             f"file size {size})")
-        try:
-            header = json.loads(handle.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"checkpoint file {path}: its safetensors header is not valid JSON ({error})") from None
-    end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, stop = entry["data_offsets"]
-            expected = _ITEM_SIZES[entry["dtype"]] * int(torch.Size(entry["shape"]).numel())
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"checkpoint file {path}: malformed header entry for {name!r}") from None
-        if stop - begin != expected:
-            raise ValueError(f"checkpoint file {path}: tensor {name!r} spans {stop - begin} bytes, its shape "
-                             f"needs {expected}")
-        end = max(end, stop)
-    if 8 + length + end != size:
-        raise ValueError(f"checkpoint file {path}: the header describes {8 + length + end} bytes, the file has "
-                         f"{size} (truncated or garbled)")
-    return header
 
 
 def _check_coverage(headers: dict[Path, dict], folder: Path) -> dict[str, tuple[int, ...]]:
@@ -146,10 +119,3 @@ def _check_coverage(headers: dict[Path, dict], folder: Path) -> dict[str, tuple[
             raise ValueError(f"checkpoint folder {folder}: tensor {name!r} of size {size} has {stored} elements in "
                              f"its shard files, not {torch.Size(size).numel()} (a shard file is missing)")
     return sizes
-
-
-def read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"checkpoint file {path}: not valid JSON ({error})") from None

@@ -8,7 +8,7 @@ its own rank. Outputs in `out`:
 
     checkpoint/        sharded, pickle-free (native/checkpoint.py): every K steps and at the end;
                        --resume continues from it under any layout
-    export/            plain safetensors (save_pretrained), written once at the end
+    export/            plain safetensors (save_pretrained), written at the end of each run (also at --stop-at)
     trainer_state.json, report.html    as the accelerate run writes them
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from latentmoe_lab.checkpoint import check_checkpoint, checked_files, resolve_checkpoint_dir
+from latentmoe_lab.checkpoint_dir import RUN, check_output_dir
 from latentmoe_lab.native.layout import NativeLayout
 from latentmoe_lab.training.lm import History, TrainSettings, progress_bar, warmup_cosine, write_outputs
 from latentmoe_lab.training.resume import ResumePoint, finish_resume, history_from, prepare_resume
@@ -45,7 +47,12 @@ def train_native(settings: TrainSettings, layout: NativeLayout, init_from: str |
         raise ValueError(f"nproc: the layout {layout.name} runs on {layout.world_size} processes, got {settings.nproc}")
     if layout.world_size == 1:
         raise ValueError("layout: the native path needs at least one dimension > 1 (use the plain run for 1 process)")
-    init_from = None if init_from is None else str(init_from)
+    if settings.out is not None:
+        check_output_dir(settings.out, sources=(init_from,), name="out", kind=RUN)
+    if init_from is not None:  # every rank would read it: refuse a damaged one here, once, before launching
+        source = resolve_checkpoint_dir(init_from, name="init_from")
+        check_checkpoint(None, source, checked_files(source))
+        init_from = str(init_from)
     # the resume is checked before any process starts (training/resume.py: the same rules as the plain run)
     point = prepare_resume(settings, Path(settings.out) / CHECKPOINT_DIR, layout=layout) if settings.resume else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # already one of torchrun's / accelerate's processes
@@ -112,10 +119,10 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None, p
             save_sharded(native, out / CHECKPOINT_DIR, optimizer=trainer.optimizer, extra_json={STATE_FILE: state})
     if progress is not None:
         progress.close()
-    if out is not None and history.step == settings.steps:
+    if out is not None and history.step >= last:  # also after --stop-at: the CLI announces OUT/export
         if main:
             export_safetensors(out / CHECKPOINT_DIR, out / EXPORT_DIR)
-            if settings.sample_tokens:
+            if settings.sample_tokens and history.step == settings.steps:
                 from latentmoe_lab.model import LatentMoEForCausalLM
                 from latentmoe_lab.training.lm import greedy_sample
 

@@ -3,25 +3,23 @@ in config.json under "quantization_config".
 
 Built on latentmoe_lab/checkpoint.py from outside: `save_checkpoint` writes the state dict (uint8 / int8 packed
 weights, fp32 scales, calibrated activation scales, SmoothQuant factors and the high-precision parameters, all
-as they are held) atomically; then config.json is replaced, atomically as a file, by the same config plus the
-recipe. A save killed between the two leaves a config without the recipe, whose packed tensor names the plain
-loader refuses (no silent mix-up). Loading builds the model on empty weights, re-creates the packed modules
-empty from the recipe, checks names and shapes against the files, and assigns the stored tensors: a round trip
-is bit-identical. `LatentMoEForCausalLM.from_pretrained` refuses a quantized directory ("quantization_config:
-unknown config field"), so a packed checkpoint is never read as a plain one.
+as they are held) and config.json with the recipe, in one atomic step, with the same output-directory rules
+and checksums as any checkpoint. Loading validates the files (headers, checksums), builds the model on empty
+weights, re-creates the packed modules empty from the recipe, checks names, shapes and dtypes against the
+files, and assigns the stored tensors: a round trip is bit-identical. `LatentMoEForCausalLM.from_pretrained`
+on a quantized directory comes here, so a packed checkpoint is never read as a plain one.
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
-from latentmoe_lab.checkpoint import (CONFIG_NAME, check_tensor_names, refuse_pickle, resolve_checkpoint_dir,
-                                      save_checkpoint, stored_shapes, weight_files)
+from latentmoe_lab.checkpoint import (CONFIG_NAME, check_checkpoint, checked_files, resolve_checkpoint_dir,
+                                      save_checkpoint)
+from latentmoe_lab.checkpoint_integrity import read_json_file
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.quant.linear import QuantLinear
 from latentmoe_lab.quant.quantize import quantize_model
@@ -35,42 +33,40 @@ def save_quantized(model: torch.nn.Module, path: str | Path, max_shard_size: int
     recipe = getattr(model, "quant_recipe", None)
     if not isinstance(recipe, Recipe):
         raise ValueError("model: not quantized (no quant_recipe); save it with model.save_pretrained instead")
-    directory = save_checkpoint(model, path, max_shard_size)
-    config = {**model.config.to_dict(), QUANT_KEY: recipe.to_dict()}
-    tmp = directory / f".{CONFIG_NAME}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(json.dumps(config, indent=2))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, directory / CONFIG_NAME)
-    return directory
+    return save_checkpoint(model, path, max_shard_size, config_fields={QUANT_KEY: recipe.to_dict()})
 
 
 def read_quantized_config(path: str | Path) -> tuple[ModelConfig, Recipe, Path]:
     """(model config, recipe, directory) of a quantized checkpoint."""
     directory = resolve_checkpoint_dir(path)
-    data = json.loads((directory / CONFIG_NAME).read_text())
-    if QUANT_KEY not in data:
+    config_path = directory / CONFIG_NAME
+    data = read_json_file(config_path)
+    if not isinstance(data, dict) or QUANT_KEY not in data:
         raise ValueError(f"path: {directory} holds a plain checkpoint (no {QUANT_KEY} in {CONFIG_NAME}); "
                          "load it with LatentMoEForCausalLM.from_pretrained")
-    recipe = Recipe.from_dict(data.pop(QUANT_KEY))
+    try:
+        recipe = Recipe.from_dict(data.pop(QUANT_KEY))
+    except (TypeError, ValueError) as error:  # the recipe names the field; say which file and section
+        raise ValueError(f"checkpoint file {config_path}: {QUANT_KEY}.{error}") from None
     return ModelConfig.from_dict(data), recipe, directory
 
 
-def load_quantized(path: str | Path) -> torch.nn.Module:
-    """The quantized model saved at `path`, on the CPU, in eval mode, with every tensor exactly as saved."""
+def load_quantized(path: str | Path, verify_checksums: bool = True) -> torch.nn.Module:
+    """The quantized model saved at `path`, on the CPU, in eval mode, with every tensor exactly as saved.
+
+    verify_checksums=False skips the SHA-256 of each file (for very large checkpoints; sizes are still checked).
+    """
     from latentmoe_lab.model import LatentMoEForCausalLM
 
     config, recipe, directory = read_quantized_config(path)
-    refuse_pickle(directory)
-    _, files = weight_files(directory)
+    checked = checked_files(directory)
     with init_empty_weights():
         model = LatentMoEForCausalLM(config)
     model.tie_weights()
     quantize_model(model, recipe, pack=False)  # packed modules with empty (meta) buffers
-    check_tensor_names(model, stored_shapes(files))
+    check_checkpoint(model, directory, checked, verify_checksums)
     state = {}
-    for file in files:
+    for file in checked[1]:
         state.update(load_file(str(file)))
     model.load_state_dict(state, strict=False, assign=True)  # strict=False: a tied LM head is stored once
     model.tie_weights()

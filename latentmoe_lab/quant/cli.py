@@ -58,14 +58,20 @@ def held_out_rows(args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
+    from latentmoe_lab.checkpoint import check_output_dir, checked_files, resolve_checkpoint_dir
     from latentmoe_lab.meta import format_bytes, recipe_bytes
     from latentmoe_lab.model import LatentMoEForCausalLM
     from latentmoe_lab.quant.checkpoint import save_quantized
     from latentmoe_lab.quant.quantize import quantize_model
     from latentmoe_lab.quant.report import bits_per_byte, byte_table, held_bytes_by_component, top1_agreement
 
+    # paths first: a missing or damaged checkpoint or a forbidden --out must fail before the corpus and model
+    # load (the files' headers here; their checksums when the model loads, so the data is read once)
+    source = resolve_checkpoint_dir(args.checkpoint, name="--checkpoint")
+    check_output_dir(args.out, sources=(args.checkpoint, source), name="--out")
+    checked_files(source)
     eval_rows, calib_rows = held_out_rows(args)
-    model = LatentMoEForCausalLM.from_pretrained(args.checkpoint).eval()
+    model = LatentMoEForCausalLM.from_pretrained(source).eval()
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.embed_tokens.weight.dtype]
     before = held_bytes_by_component(model)
     bpb_before = bits_per_byte(model, eval_rows)

@@ -37,6 +37,12 @@ class Recipe:
     smooth_alpha: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.weights, dict):
+            raise ValueError(f"weights: expected a map of component -> format, got {type(self.weights).__name__}")
+        for key, value in (("percentile", self.percentile), ("smooth_alpha", self.smooth_alpha)):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number and not (key == "smooth_alpha" and value is None):
+                raise ValueError(f"{key}: expected a number, got {type(value).__name__} {str(value)[:40]!r}")
         for component, fmt in self.weights.items():
             if component not in QUANTIZABLE_COMPONENTS:
                 raise ValueError(f"weights.{component}: not a quantizable component; choose from "

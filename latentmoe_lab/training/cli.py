@@ -141,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("init_from: only with --fsdp/--ep/--tp/--pp > 1 (the plain run starts from --seed)")
     if args.init_from is not None and not Path(args.init_from).is_dir():
         raise ValueError(f"--init-from: {args.init_from} is not a directory")
+    from latentmoe_lab.checkpoint_dir import RUN, check_output_dir
+
+    check_output_dir(args.out, sources=(args.init_from,), name="--out", kind=RUN)
     if settings.resume:
         point = prepare_resume(settings, Path(settings.out) / CHECKPOINT_DIR, layout=layout, spell=cli_flag)
         for change in point.new_changes:
