@@ -25,6 +25,8 @@ The budget `expected_flops` is the closed form the inventory must meet (within 2
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 import torch
@@ -81,16 +83,22 @@ def _sparse_attention_flops(q_shape, k_shape, v_shape, indices_shape, scale, out
 
 
 # ---------------------------------------------------------------------------------------- the budget
+@functools.lru_cache(maxsize=8)
+def _active_text_parameters(config_json: str) -> int:
+    """meta.count_parameters' "active" less the vision tower's, once per config (a k3-2.8t build takes seconds)."""
+    from latentmoe_lab.meta import count_parameters
+
+    counts = count_parameters(ModelConfig.from_dict(json.loads(config_json)))
+    return counts["active"] - counts["by_component"]["vision"]["active"]
+
+
 def expected_flops(config: ModelConfig, phase: str, tokens: int, context: int) -> dict:
     """The closed-form forward FLOPs of `tokens` new text tokens (prefill: one sequence after `context` cached
     tokens; decode: `tokens` sequences, one token each, `context` cached each). Returns the parts and "total".
 
     Active parameters are meta.count_parameters' "active" less the vision tower's (a text forward skips it).
     """
-    from latentmoe_lab.meta import count_parameters
-
-    counts = count_parameters(config)
-    active = counts["active"] - counts["by_component"]["vision"]["active"]
+    active = _active_text_parameters(config.to_json())
     kda, mla, idx = config.kda, config.mla, config.indexer
     dense = tokens * (2 * active + 2 * config.hidden_size * config.vocab_size)
     if phase == "prefill":

@@ -278,7 +278,9 @@ def trace_forward(model, phase: str, tokens: int, context: int, layers: dict[int
         x = model.embed_tokens(input_ids)
         for i in chosen:
             x = model.layers[i](x, caches[i])
-        model.lm_head(model.norm(x)).float()
+        logits = model.lm_head(model.norm(x))
+        with tracker.inside("lm_head"):  # the model's fp32 cast of the logits
+            logits.float()
     return recorder.calls
 
 

@@ -7,6 +7,9 @@ block's attention type; the norm in front of a mixer belongs to that mixer.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 
 LAYER_TYPES = ("embedding", "kda", "gated_dsa", "latent_moe", "dense_ffn", "vision", "lm_head")
@@ -38,6 +41,15 @@ class ModuleTracker:
             self._handles.append(module.register_forward_hook(lambda m, args, out, path=name: self._pop(path),
                                                               always_call=True))
         return self
+
+    @contextlib.contextmanager
+    def inside(self, path: str) -> Iterator[None]:
+        """Attribute the ops of the block to `path` (work a model does outside its modules, e.g. a final cast)."""
+        self.stack.append(path)
+        try:
+            yield
+        finally:
+            self._pop(path)
 
     def _pop(self, path: str) -> None:
         if self.stack and self.stack[-1] == path:
