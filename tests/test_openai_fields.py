@@ -3,6 +3,8 @@ max_tokens 0 (scoring), n, best_of, stop, seed, penalties, logit_bias, response_
 max_completion_tokens, stream_options.include_usage, context limits (docs/design.md §10).
 
 Logprobs are checked against log_softmax of the model's own logits, computed here on the same weights."""
+import json
+
 import httpx
 import openai
 import pytest
@@ -109,6 +111,26 @@ def test_echo_and_generated_logprobs_text_and_stream(client, logp):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 6)
 
 
+def test_a_list_of_prompts_as_evaluation_harnesses_send_it(client, logp):
+    """prompt: [[ids], [ids]] with echo, logprobs 1, max_tokens 1 (lm-eval's loglikelihood request): one
+    choice per prompt, in order, each scoring its own prompt."""
+    batch = [list(b"2 + 2 ="), list(b"The sky is")]
+    response = client.completions.create(model="tiny-test", prompt=batch, echo=True, logprobs=1, max_tokens=1,
+                                         temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.usage.prompt_tokens == sum(map(len, batch)) and response.usage.completion_tokens == 2
+    for ids, choice in zip(batch, response.choices):
+        lps = choice.logprobs.token_logprobs
+        assert choice.text.startswith(bytes(ids).decode()) and len(lps) == len(ids) + 1
+        expected = logp(ids)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert torch.allclose(torch.tensor(lps[1:len(ids)]), expected, atol=TOL)
+    both = client.completions.create(model="tiny-test", prompt=["a", "b"], n=2, max_tokens=2, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(model="tiny-test", prompt=p, max_tokens=2, temperature=0).choices[0].text
+             for p in ("a", "b")]
+    assert [c.text for c in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+
+
 def test_n_seeded_samples_and_best_of(client):
     kwargs = dict(model="tiny-test", prompt="Once", max_tokens=6, temperature=1.0, seed=7)
     three = client.completions.create(n=3, logprobs=0, **kwargs)
@@ -192,8 +214,13 @@ def test_disconnect_during_n_samples_frees_every_sequence(service):
     body = {"model": "tiny-test", "prompt": "go", "max_tokens": 100, "n": 4, "stream": True, "temperature": 1}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
-        assert next(response.iter_lines()).startswith("data: ")
-        assert worker.last_stats["running"] + worker.last_stats["waiting"] == 4
+        seen = set()
+        for line in response.iter_lines():  # until every sample has sent a token: all four run
+            if line.startswith("data: {"):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+            if len(seen) == 4:
+                break
+        assert seen == {0, 1, 2, 3} and worker.last_stats["blocks_used"] > 0
     _wait_idle(served.url)
 
 

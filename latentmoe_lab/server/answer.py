@@ -1,9 +1,10 @@
 """A request's samples -> its answer: one JSON body, or server-sent events (docs/design.md §10).
 
 Per sample a ChoiceText turns ids into text, cut at the stop strings; a sample that reaches a stop is
-ended at once. With echo (completions) a choice's text and tokens begin with the prompt's (its logprobs
-come with the sample's first event). best_of > n: every sample runs to its end, and the n with the
-highest cumulative logprob (over their generated tokens) are returned, renumbered 0..n-1.
+ended at once. With echo (completions) a choice's text and tokens begin with its prompt's (their logprobs
+come with the sample's first event). Samples are numbered prompt-major (prompt p's sample j is
+p * best_of + j). best_of > n: every sample runs to its end, and each prompt's n with the highest
+cumulative logprob (over their generated tokens) are returned; choice p * n + k is prompt p's k-th.
 """
 from __future__ import annotations
 
@@ -27,17 +28,20 @@ class _Choices:
 
     def __init__(self, shape: Shape):
         parsed = shape.parsed
-        self.echo = prompt_text(parsed.prompt_ids, None) if parsed.echo else Released()
-        self.texts = [ChoiceText(parsed.stops, len(self.echo.text)) for _ in range(parsed.best_of)]
-        self.echoed = [not parsed.echo] * parsed.best_of
+        self.prompt_of = [p for p, _ in parsed.samples]
+        echoes = [prompt_text(ids, None) if parsed.echo else Released() for ids in parsed.prompts]
+        self.echo = [echoes[p] for p in self.prompt_of]
+        self.texts = [ChoiceText(parsed.stops, len(echo.text)) for echo in self.echo]
+        self.echoed = [not parsed.echo] * len(self.texts)
         self.parsed = parsed
 
     def feed(self, index: int, event) -> Released:
         """The sample's new release, the echoed prompt first if it has not gone out yet."""
         out = Released()
         if not self.echoed[index] and (event.prompt_logprobs is not None or self.parsed.logprobs is None):
-            out = prompt_text(self.parsed.prompt_ids, event.prompt_logprobs) if self.parsed.logprobs is not None \
-                else Released(self.echo.text, list(self.echo.tokens))
+            ids = self.parsed.prompts[self.prompt_of[index]]
+            out = prompt_text(ids, event.prompt_logprobs) if self.parsed.logprobs is not None \
+                else Released(self.echo[index].text, list(self.echo[index].tokens))
             self.echoed[index] = True
         _extend(out, self.texts[index].feed(event.token_ids, event.logprobs))
         if event.finished and event.finish_reason != "error":
@@ -66,9 +70,13 @@ async def collect(samples: Samples, shape: Shape, request) -> Response:
             reasons[index] = reasons[index] or event.finish_reason
     if None in reasons:
         return Response(status_code=499)
-    order = sorted(range(len(reasons)), key=lambda i: -choices.texts[i].cumulative_logprob)[:shape.parsed.n] \
-        if shape.parsed.best_of > shape.parsed.n else range(len(reasons))
-    return JSONResponse(shape.full([(released[i], reasons[i]) for i in order], choices.completion_tokens))
+    parsed, order = shape.parsed, []
+    for first in range(0, len(reasons), parsed.best_of):  # each prompt's best n, in sample order if all
+        group = range(first, first + parsed.best_of)
+        best = sorted(group, key=lambda i: -choices.texts[i].cumulative_logprob)[:parsed.n]
+        order += best if parsed.best_of > parsed.n else list(group)
+    return JSONResponse(shape.full([(released[i], reasons[i], choices.prompt_of[i]) for i in order],
+                                   choices.completion_tokens))
 
 
 async def stream(samples: Samples, shape: Shape, request):
@@ -88,7 +96,8 @@ async def stream(samples: Samples, shape: Shape, request):
                 break
             echoing = not choices.echoed[index]
             piece = choices.feed(index, event)
-            echoed = len(shape.parsed.prompt_ids) if echoing and choices.echoed[index] else 0
+            prompt = shape.parsed.prompts[choices.prompt_of[index]]
+            echoed = len(prompt) if echoing and choices.echoed[index] else 0
             if piece:
                 yield _data(shape.chunk(index, piece, None, first[index], echoed))
                 first[index] = False

@@ -3,7 +3,8 @@
 Fields taken (the README's table says, per field, what is supported and how); any other is refused by name:
 
     model              str, required: the served name (model.name of the service file)
-    prompt             /v1/completions: a non-empty string (byte tokens) or a list of token ids
+    prompt             /v1/completions: a non-empty string (byte tokens) or a list of token ids, or a list of
+                       up to MAX_PROMPTS of either (choice index = prompt index * n + sample index)
     messages           /v1/chat/completions: [{"role": "system" | "user" | "assistant", "content": str or
                        [{"type": "text", "text": str}, ...]}, ...], rendered by CHAT_TEMPLATE below
     max_tokens         int >= 1 (completions: 0 with echo, to score the prompt only); chat also takes
@@ -15,7 +16,7 @@ Fields taken (the README's table says, per field, what is supported and how); an
     logit_bias         {"token id": bias in [-100, 100]}
     stop               a string or a list of up to MAX_STOPS strings of 1..MAX_STOP_CHARS characters; the text
                        ends before the stop string that completes first (stops.py)
-    n                  1..MAX_SAMPLES samples, each with its own generator (seed + i when seeded)
+    n                  1..MAX_SAMPLES samples per prompt, each with its own generator (seed + i when seeded)
     best_of            completions: n..MAX_SAMPLES samples, the n with the highest cumulative logprob returned
     echo               completions: the prompt's text (and its logprobs) before the completion
     logprobs           completions: int 0..20 (each token's logprob and that many alternatives);
@@ -47,15 +48,17 @@ CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # the stop matcher's work per token grows with this (stops.py)
 MAX_SAMPLES = 16
+MAX_PROMPTS = 64
 
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """samples: one SamplingParams per engine request (best_of of them; each scores the prompt when echo
-    asks for logprobs); logprobs: alternatives per token, None = no logprobs in the answer."""
+    """prompts: token ids of each prompt (one for chat); params: the sampling of the first prompt's samples
+    (max_tokens may differ per prompt when defaulted: max_tokens); logprobs: alternatives per token, None =
+    no logprobs in the answer."""
 
     kind: str  # "completion" or "chat"
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     stops: tuple[str, ...]
     stream: bool
@@ -64,13 +67,22 @@ class ParsedRequest:
     echo: bool = False
     logprobs: int | None = None
     include_usage: bool = False
+    max_tokens: tuple[int, ...] = ()  # per prompt; () = params.max_tokens for all
 
     @property
-    def samples(self) -> list[SamplingParams]:
-        """Sample i draws from its own generator, seeded seed + i when seeded (the request id otherwise)."""
+    def prompt_ids(self) -> list[int]:
+        return self.prompts[0]
+
+    @property
+    def samples(self) -> list[tuple[int, SamplingParams]]:
+        """(prompt index, params) of every engine request, best_of per prompt, prompt-major. Sample i of a
+        prompt draws from its own generator, seeded seed + i when seeded (the request id otherwise); each
+        scores its prompt when echo asks for logprobs."""
         seed = self.params.seed
-        return [dataclasses.replace(self.params, seed=None if seed is None else (seed + i) % SEED_LIMIT)
-                for i in range(self.best_of)]
+        limits = self.max_tokens or (self.params.max_tokens,) * len(self.prompts)
+        return [(p, dataclasses.replace(self.params, max_tokens=limits[p],
+                                        seed=None if seed is None else (seed + i) % SEED_LIMIT))
+                for p in range(len(self.prompts)) for i in range(self.best_of)]
 
 
 def render_chat(messages: list[dict]) -> str:
@@ -96,13 +108,15 @@ def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model
         raise bad_request(f"model: unknown model {model[:100]!r}; this server serves {served_model!r}", "model",
                           "model_not_found")
     if kind == "completion":
-        prompt_ids = _prompt_ids(body.get("prompt"), "prompt" in body, vocab_size)
+        prompts = _prompts(body.get("prompt"), "prompt" in body, vocab_size)
     else:
-        prompt_ids = list(render_chat(_messages(body.get("messages"), "messages" in body)).encode("utf-8"))
+        prompts = [list(render_chat(_messages(body.get("messages"), "messages" in body)).encode("utf-8"))]
     field = "prompt" if kind == "completion" else "messages"
-    if len(prompt_ids) >= max_model_len:
-        raise bad_request(f"{field}: {len(prompt_ids)} tokens leave no room to generate under max_model_len "
-                          f"({max_model_len})", field, "context_length_exceeded")
+    for i, ids in enumerate(prompts):
+        if len(ids) >= max_model_len:
+            where = field if len(prompts) == 1 else f"{field}[{i}]"
+            raise bad_request(f"{where}: {len(ids)} tokens leave no room to generate under max_model_len "
+                              f"({max_model_len})", field, "context_length_exceeded")
     echo = boolean(body, "echo", False)
     stream = boolean(body, "stream", False)
     n = integer(body, "n", 1, 1, MAX_SAMPLES)
@@ -113,12 +127,12 @@ def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model
         raise bad_request("best_of: with stream, best_of must equal n (the best are known only at the end)",
                           "best_of")
     logprobs = _logprobs(body, kind)
-    max_tokens = _max_tokens(body, kind, echo, len(prompt_ids), max_model_len, default_max_tokens)
+    max_tokens = [_max_tokens(body, kind, echo, len(ids), max_model_len, default_max_tokens) for ids in prompts]
     _response_format(body.get("response_format"))
     if "user" in body and not isinstance(body["user"], str):
         raise bad_request(f"user: expected a string, got {json_type(body['user'])}", "user", "invalid_type")
     params = SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=max_tokens[0],
         temperature=number(body, "temperature", 1.0, 0.0),
         top_p=_top_p(body),
         top_k=integer(body, "top_k", None, 1),
@@ -129,8 +143,8 @@ def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model
         # a sample's own logprobs: asked for, or needed to rank best_of samples
         logprobs=logprobs if logprobs is not None or best_of == n else 0,
         prompt_logprobs=logprobs if echo else None)
-    return ParsedRequest(kind, prompt_ids, params, _stops(body.get("stop")), stream, n, best_of, echo, logprobs,
-                         _include_usage(body.get("stream_options"), stream))
+    return ParsedRequest(kind, prompts, params, _stops(body.get("stop")), stream, n, best_of, echo, logprobs,
+                         _include_usage(body.get("stream_options"), stream), tuple(max_tokens))
 
 
 def _max_tokens(body: dict, kind: str, echo: bool, prompt_len: int, max_model_len: int, default: int) -> int:
@@ -210,23 +224,33 @@ def _include_usage(options, stream: bool) -> bool:
     return boolean(options, "include_usage", False)
 
 
-def _prompt_ids(prompt, given: bool, vocab_size: int) -> list[int]:
+def _prompts(prompt, given: bool, vocab_size: int) -> list[list[int]]:
+    """A prompt (a string or a list of token ids), or a list of them -> the token ids of each."""
     if not given or prompt is None:
-        raise bad_request("prompt: required, a string or a list of token ids", "prompt", "missing")
+        raise bad_request("prompt: required, a string or a list of token ids, or a list of those", "prompt",
+                          "missing")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+        return [_prompt_ids(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]
+    return [_prompt_ids(prompt, "prompt", vocab_size)]
+
+
+def _prompt_ids(prompt, where: str, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("prompt: empty", "prompt", "empty_prompt")
-        return list(text(prompt, "prompt").encode("utf-8"))
+            raise bad_request(f"{where}: empty", "prompt", "empty_prompt")
+        return list(text(prompt, where).encode("utf-8"))
     if not isinstance(prompt, list):
-        raise bad_request(f"prompt: expected a string or a list of token ids, got {json_type(prompt)}", "prompt",
+        raise bad_request(f"{where}: expected a string or a list of token ids, got {json_type(prompt)}", "prompt",
                           "invalid_type")
     if not prompt:
-        raise bad_request("prompt: empty", "prompt", "empty_prompt")
+        raise bad_request(f"{where}: empty", "prompt", "empty_prompt")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise bad_request("prompt: one prompt per request: a string or a list of integer token ids", "prompt",
-                          "invalid_type")
+        raise bad_request(f"{where}: expected a string or a list of integer token ids (or a list of those)",
+                          "prompt", "invalid_type")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise bad_request(f"prompt: token ids must lie in [0, {vocab_size})", "prompt")
+        raise bad_request(f"{where}: token ids must lie in [0, {vocab_size})", "prompt")
     return list(prompt)
 
 

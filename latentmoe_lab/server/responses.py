@@ -9,7 +9,7 @@
         logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [k of {"token", "logprob", "bytes"}]}]}
 
 "token_ids" (the generated ids a choice's text came from) is an extension; OpenAI clients keep unknown fields.
-usage counts the prompt once and every generated token of every sample (best_of ones too).
+usage counts each prompt once and every generated token of every sample (best_of ones too).
 """
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def usage(self, completion_tokens: int) -> dict:
-        prompt = len(self.parsed.prompt_ids)
+        prompt = sum(len(ids) for ids in self.parsed.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens}
 
-    def full(self, choices: list[tuple[Released, str]], completion_tokens: int) -> dict:
-        """choices: (everything the choice released, its finish reason), in index order."""
+    def full(self, choices: list[tuple[Released, str, int]], completion_tokens: int) -> dict:
+        """choices: (everything the choice released, its finish reason, its prompt's index), in index order."""
         out = []
-        for index, (released, reason) in enumerate(choices):
-            ids = [t for t, _, _ in released.tokens[len(self.parsed.prompt_ids) if self.parsed.echo else 0:]]
+        for index, (released, reason, prompt) in enumerate(choices):
+            echoed = len(self.parsed.prompts[prompt]) if self.parsed.echo else 0
+            ids = [t for t, _, _ in released.tokens[echoed:]]
             choice = {"index": index, "logprobs": self._logprobs(released), "finish_reason": reason, "token_ids": ids}
             if self.kind == "completion":
                 out.append({**choice, "text": released.text})

@@ -1,4 +1,4 @@
-"""The engine requests of one HTTP request (its n or best_of samples) and their events (docs/design.md §10).
+"""The engine requests of one HTTP request (best_of samples per prompt) and their events (docs/design.md §10).
 
 Each sample is one engine request; their events arrive on one asyncio.Queue as (sample index, Event),
 fed from the engine thread through the loop's _Mailbox. A client that goes away, or a request past
@@ -32,8 +32,8 @@ class Samples:
     async def submit(self) -> "Samples":
         """Queue every sample; on a refusal abort the ones already queued and raise its APIError."""
         mailbox = _Mailbox.of(asyncio.get_running_loop())
-        for index, params in enumerate(self.parsed.samples):
-            future = self.worker.submit(self.parsed.prompt_ids, params,
+        for index, (prompt, params) in enumerate(self.parsed.samples):
+            future = self.worker.submit(self.parsed.prompts[prompt], params,
                                         lambda event, i=index: mailbox.post(self.queue, (i, event)))
             try:
                 self.keys.append(await asyncio.wrap_future(future))
