@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from latentmoe_lab.config_fields import ConfigTypeError, check_field_types, describe
+from latentmoe_lab.config_fields import ConfigTypeError, check_field_types, describe, key_name
 from latentmoe_lab.textfile import read_text_file
 from latentmoe_lab.yaml_loader import dump_yaml, errors_name_file, parse_yaml, read_yaml_file
 
@@ -355,7 +355,7 @@ def _from_dict(cls, data: dict[str, Any], prefix: str):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(str(key) for key in set(data) - known)
     if unknown:
-        raise ValueError(f"{prefix}{unknown[0]}: unknown config field for {cls.__name__}")
+        raise ValueError(f"{prefix}{key_name(unknown[0])}: unknown config field for {cls.__name__}")
     kwargs = dict(data)
     if cls is ModelConfig:
         for name, nested in _NESTED.items():

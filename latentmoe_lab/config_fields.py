@@ -48,6 +48,11 @@ def describe(value) -> str:
     return shown if len(shown) <= MAX_SHOWN_CHARS else shown[:MAX_SHOWN_CHARS - 3] + "..."
 
 
+def key_name(key) -> str:
+    """A mapping key as a key path shows it: as written when a short string, else describe(key)."""
+    return key if isinstance(key, str) and len(key) <= 60 and key.isprintable() else describe(key)
+
+
 class _ShortRepr(reprlib.Repr):
     """reprlib's bounded repr, with ints described as describe() does (repr of a 5000-digit int raises)."""
 

@@ -248,7 +248,11 @@ def test_error_messages_show_at_most_200_characters_of_a_value():
     nested = [[list(range(100))] * 100] * 100
     for make in (lambda: ServiceConfig.from_dict({"model": {"name": nested}}),
                  lambda: ServiceConfig.from_dict({"memory": {"kv_cache_dtype": "x" * 10_000}}),
-                 lambda: ServerSettings(max_retries=nested)):
+                 lambda: ServerSettings(max_retries=nested),
+                 lambda: ServiceConfig.from_dict({"memory": {"k" * 100_000: 1}}),
+                 lambda: ServiceConfig.from_dict({"x" * 100_000: {}}),
+                 lambda: ServerSettings.from_dict({"k" * 100_000: 1}),
+                 lambda: ModelConfig.from_dict({"k" * 100_000: 1})):
         with pytest.raises(ValueError) as caught:
             make()
         assert len(str(caught.value)) < 300

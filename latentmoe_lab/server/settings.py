@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from latentmoe_lab.config_fields import describe
+from latentmoe_lab.config_fields import describe, key_name
 from latentmoe_lab.serving import ServiceConfig
 from latentmoe_lab.serving.config import read_service_file, section_values
 from latentmoe_lab.yaml_loader import errors_name_file
@@ -72,7 +72,7 @@ class ServerSettings:
         known = [f.name for f in fields(cls)]
         for key in values:
             if key not in known:
-                raise ValueError(f"server.{key}: unknown key; expected some of {known}")
+                raise ValueError(f"server.{key_name(key)}: unknown key; expected some of {known}")
         return cls(**values)
 
 

@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from latentmoe_lab.config_fields import check_field_types, describe
+from latentmoe_lab.config_fields import check_field_types, describe, key_name
 from latentmoe_lab.yaml_loader import errors_name_file, file_label, read_yaml_file
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -146,7 +146,7 @@ class ServiceConfig:
             raise ValueError(f"service config: expected a mapping of sections, got {describe(data)}")
         unknown = sorted(str(key) for key in set(data) - set(SECTIONS))
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown section; expected some of {list(SECTIONS)}")
+            raise ValueError(f"{key_name(unknown[0])}: unknown section; expected some of {list(SECTIONS)}")
         config = cls(**{name: _section_from_dict(section_cls, section_values(data, name), name)
                         for name, section_cls in SECTIONS.items()})
         config.validate()
@@ -254,7 +254,7 @@ def _section_from_dict(section_cls, values: dict[str, Any], section: str):
     known = [f.name for f in fields(section_cls)]
     for key in values:
         if key not in known:
-            raise ValueError(f"{section}.{key}: unknown key; expected some of {known}")
+            raise ValueError(f"{section}.{key_name(key)}: unknown key; expected some of {known}")
     return section_cls(**values)  # types and ranges: validate()
 
 
