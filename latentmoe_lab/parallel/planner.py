@@ -70,7 +70,8 @@ class LayoutPlan:
 
 
 @lru_cache(maxsize=32)
-def _local_block_params(config_json: str, tp: int, ep: int) -> dict[tuple[str, bool], dict[str, int]]:
+def _local_block_params(config_json: str, tp: int, ep: int,
+                        redundant_experts: int = 0) -> dict[tuple[str, bool], dict[str, int]]:
     """{(attention type, is_moe): {"experts": n, "other": n}} parameters of one layer on one rank."""
     from accelerate import init_empty_weights
 
@@ -87,7 +88,8 @@ def _local_block_params(config_json: str, tp: int, ep: int) -> dict[tuple[str, b
         full_moe = LatentMoE(config)
     experts_full, shared_full = _numel(full_moe.experts), _numel(full_moe.shared) if full_moe.shared else 0
     moe_other = _numel(full_moe) - experts_full - shared_full + shared_full // tp
-    experts_local = moe.num_experts // ep * 3 * moe.latent_size * (moe.expert_intermediate_size // tp)
+    slots = -(-(moe.num_experts + redundant_experts) // ep)  # the fullest rank's expert slots
+    experts_local = slots * 3 * moe.latent_size * (moe.expert_intermediate_size // tp)
     dense = 3 * d * (config.dense_intermediate_size // tp)
     out = {}
     for kind in ("kda", "dsa"):
@@ -100,10 +102,15 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def stage_parameters(config: ModelConfig, pconfig: ParallelConfig) -> tuple[list[range], list[dict[str, int]]]:
-    """(stages, per stage {"experts", "other"} parameters held by one rank of that stage)."""
+def stage_parameters(config: ModelConfig, pconfig: ParallelConfig,
+                     redundant_experts: int = 0) -> tuple[list[range], list[dict[str, int]]]:
+    """(stages, per stage {"experts", "other"} parameters held by one rank of that stage); with
+    redundant_experts R, every MoE layer holds ceil((E + R) / ep) expert slots on its fullest rank
+    (parallel/eplb.py)."""
     stages = partition_layers(config, pconfig.pp)
-    blocks = _local_block_params(config.to_json(), pconfig.tp, pconfig.ep)
+    if isinstance(redundant_experts, bool) or not isinstance(redundant_experts, int) or redundant_experts < 0:
+        raise ValueError(f"redundant_experts: must be an integer >= 0, got {redundant_experts!r}")
+    blocks = _local_block_params(config.to_json(), pconfig.tp, pconfig.ep, redundant_experts)
     per_stage = []
     for s, stage in enumerate(stages):
         counts = {"experts": 0, "other": 0}
@@ -118,9 +125,10 @@ def stage_parameters(config: ModelConfig, pconfig: ParallelConfig) -> tuple[list
     return stages, per_stage
 
 
-def device_memory(config: ModelConfig, pconfig: ParallelConfig, workload: Workload) -> list[DeviceMemory]:
-    """Bytes one device of each pipeline stage holds under `workload`."""
-    stages, params = stage_parameters(config, pconfig)
+def device_memory(config: ModelConfig, pconfig: ParallelConfig, workload: Workload,
+                  redundant_experts: int = 0) -> list[DeviceMemory]:
+    """Bytes one device of each pipeline stage holds under `workload` (R redundant expert slots per layer)."""
+    stages, params = stage_parameters(config, pconfig, redundant_experts)
     train = workload.mode == "train"
     expert_bits = BITS_PER_WEIGHT["bf16" if train else workload.expert_format]
     d, act, tp = config.hidden_size, workload.act_bytes, pconfig.tp
@@ -171,11 +179,16 @@ def _cache_bytes_per_sequence(config: ModelConfig, pconfig: ParallelConfig, work
 
 
 def plan_layout(config: ModelConfig, pconfig: ParallelConfig, hardware: Hardware, workload: Workload,
-                name: str | None = None) -> LayoutPlan:
-    """Memory, traffic and step times of `pconfig` for `config` on `hardware` under `workload`."""
+                name: str | None = None, redundant_experts: int = 0,
+                expert_load: dict[int, float] | None = None) -> LayoutPlan:
+    """Memory, traffic and step times of `pconfig` for `config` on `hardware` under `workload`.
+
+    redundant_experts: R extra expert slots per MoE layer (parallel/eplb.py); expert_load {layer: max / mean
+    routed pairs per EP rank}: the step time is then the busiest rank's (parallel/eplb_plan.py).
+    """
     pconfig.validate_for(config)
-    memory = device_memory(config, pconfig, workload)
-    stages, params = stage_parameters(config, pconfig)
+    memory = device_memory(config, pconfig, workload, redundant_experts)
+    stages, params = stage_parameters(config, pconfig, redundant_experts)
     tokens = (workload.micro_batch_sequences * workload.seq_len if workload.mode == "train"
               else workload.prefill_chunk * max(1, workload.sequences // pconfig.data_shards)) // pconfig.cp
     a2a = moe_a2a_bytes(config, pconfig.ep, tokens, workload.act_bytes)
@@ -184,7 +197,8 @@ def plan_layout(config: ModelConfig, pconfig: ParallelConfig, hardware: Hardware
                       traffic={"tokens_per_micro_batch": tokens, **{f"a2a_{k}": v for k, v in a2a.items()},
                                "tp_bytes_per_layer": _tp_payload(config, pconfig, tokens, workload.act_bytes),
                                "pp_bytes_per_micro_batch": tokens * config.hidden_size * workload.act_bytes},
-                      times=step_times(config, pconfig, hardware, workload, stages, params))
+                      times=step_times(config, pconfig, hardware, workload, stages, params, expert_load,
+                                       redundant_experts))
     plan.fits, plan.reason = _verdict(plan)
     return plan
 

@@ -40,8 +40,13 @@ def _ep_bandwidth(pconfig: ParallelConfig, hw: Hardware) -> tuple[float, float]:
 
 
 def layer_time(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload, layer: int,
-               other_params: float, tokens: float, context: float, decode: bool) -> dict[str, float]:
-    """Seconds of one layer on one device under the three schedules, plus its compute and comm parts."""
+               other_params: float, tokens: float, context: float, decode: bool, expert_load: float = 1.0,
+               redundant_experts: int = 0) -> dict[str, float]:
+    """Seconds of one layer on one device under the three schedules, plus its compute and comm parts.
+
+    expert_load: max / mean routed pairs per EP rank in this layer (1: even); the device modelled is the
+    busiest one, whose experts get expert_load x the mean. redundant_experts: extra expert slots of the
+    layer (parallel/eplb.py), ceil((E + R) / ep) on the fullest rank."""
     moe, tp, ep, act = config.moe, pconfig.tp, pconfig.ep, workload.act_bytes
     is_moe = config.is_moe_layer(layer)
     flops = 2 * other_params * tokens
@@ -68,8 +73,8 @@ def layer_time(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workl
     shared_flops = 0.0
     if is_moe:
         expert_params = 3 * moe.latent_size * (moe.expert_intermediate_size // tp)
-        flops += tokens * moe.top_k * 2 * expert_params
-        local_experts = moe.num_experts // ep
+        flops += expert_load * tokens * moe.top_k * 2 * expert_params
+        local_experts = -(-(moe.num_experts + redundant_experts) // ep)  # the fullest rank's slots
         untouched = (1 - moe.top_k / moe.num_experts) ** (tokens * ep)
         bits = BITS_PER_WEIGHT["bf16" if workload.mode == "train" else workload.expert_format]
         weight_bytes += local_experts * (1 - untouched) * expert_params * bits / 8
@@ -109,8 +114,10 @@ def phase_inputs(pconfig: ParallelConfig, workload: Workload) -> dict[str, tuple
 
 
 def stage_layer_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload,
-                      stages: list[range], params_by_stage: list[dict[str, int]]) -> dict[str, list[dict]]:
-    """{"prefill" | "decode": per stage {layer: layer_time(...)}}: every layer's seconds in one stage pass."""
+                      stages: list[range], params_by_stage: list[dict[str, int]],
+                      expert_load: dict[int, float] | None = None, redundant_experts: int = 0) -> dict[str, list[dict]]:
+    """{"prefill" | "decode": per stage {layer: layer_time(...)}}: every layer's seconds in one stage pass;
+    expert_load {layer: max / mean pairs per EP rank} (missing layers: 1)."""
     out = {}
     for phase, (tokens, context, _) in phase_inputs(pconfig, workload).items():
         out[phase] = []
@@ -120,16 +127,19 @@ def stage_layer_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware
             embedding = config.vocab_size * config.hidden_size if s == 0 else 0
             other = (params["other"] - embedding) / len(stage)
             out[phase].append({i: layer_time(config, pconfig, hw, workload, i, other, tokens, context,
-                                             phase == "decode") for i in stage})
+                                             phase == "decode", (expert_load or {}).get(i, 1.0),
+                                             redundant_experts) for i in stage})
     return out
 
 
 def step_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workload: Workload,
-               stages: list[range], params_by_stage: list[dict[str, int]]) -> dict[str, dict[str, float]]:
+               stages: list[range], params_by_stage: list[dict[str, int]],
+               expert_load: dict[int, float] | None = None, redundant_experts: int = 0) -> dict[str, dict[str, float]]:
     """{"prefill" | "decode": {schedule: seconds, "compute", "comm"}}; decode also "tokens_per_s"."""
     inputs = phase_inputs(pconfig, workload)
     out = {}
-    for phase, stage_layers in stage_layer_times(config, pconfig, hw, workload, stages, params_by_stage).items():
+    for phase, stage_layers in stage_layer_times(config, pconfig, hw, workload, stages, params_by_stage,
+                                                 expert_load, redundant_experts).items():
         tokens, _, m = inputs[phase]
         per_stage = []
         for layers in stage_layers:
