@@ -16,7 +16,7 @@
 # A team bringing this model up on new hardware walks one path: model analysis -> operator mapping ->
 # graph optimisation -> accuracy alignment -> performance tuning -> stability validation. Earlier chapters
 # cover analysis (04, 05), alignment (07) and serving (06). This one is the middle of the path, on the
-# tiny model and then at full scale (docs/design.md §17):
+# tiny model and then at full scale (docs/design.md §16):
 #
 # 1. the operator inventory: every op the model dispatches, per layer type, with FLOPs and bytes;
 # 2. a simulated new device in strict mode: what is missing, and from which module;

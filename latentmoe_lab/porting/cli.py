@@ -18,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Build the preset on the meta device (nothing is allocated), run one forward with the fused "
                     "paths as torch.ops.latentmoe custom ops, and list every dispatched op per layer type with "
                     "count, shapes, dtypes, FLOPs and bytes, standard or custom work, against the closed-form "
-                    "FLOPs per token (docs/design.md §17).")
+                    "FLOPs per token (docs/design.md §16).")
     parser.add_argument("--preset", default="k3-2.8t", choices=sorted(PRESETS), help="model preset (default: k3-2.8t)")
     parser.add_argument("--phase", default="prefill", choices=("prefill", "decode"),
                         help="prefill: one sequence of --tokens new tokens; decode: --tokens sequences of one "

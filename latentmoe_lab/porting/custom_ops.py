@@ -1,4 +1,4 @@
-"""The model's fused paths as PyTorch custom operators (`torch.ops.latentmoe.*`, docs/design.md §17).
+"""The model's fused paths as PyTorch custom operators (`torch.ops.latentmoe.*`, docs/design.md §16).
 
 A vendor backend plugs in below the dispatcher: it implements these ops, and torch.export, torch.compile
 and the simulated device (porting/sim_device.py) each see one node per call instead of the dozens of

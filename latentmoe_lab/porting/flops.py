@@ -1,4 +1,4 @@
-"""FLOPs: torch.utils.flop_counter's formulas, ours for the custom ops, and the per-token budget (docs/design.md §17).
+"""FLOPs: torch.utils.flop_counter's formulas, ours for the custom ops, and the per-token budget (docs/design.md §16).
 
 FLOPs here count the contractions (2 per multiply-add), as torch.utils.flop_counter does for mm, bmm,
 convolutions and attention; elementwise ops, reductions and copies count 0 FLOPs and are judged by

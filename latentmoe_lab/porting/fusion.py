@@ -1,4 +1,4 @@
-"""Graph optimisation on an exported block: torch.fx passes with node and launch counts (docs/design.md §17).
+"""Graph optimisation on an exported block: torch.fx passes with node and launch counts (docs/design.md §16).
 
     gm, inputs = export_block(model, layer=3, phase="prefill", tokens=37)
     report = optimize(gm, inputs)          # runs PASSES in order, each checked for parity

@@ -1,4 +1,4 @@
-"""The operator inventory: every op the model dispatches, per layer type, on the meta device (docs/design.md §17).
+"""The operator inventory: every op the model dispatches, per layer type, on the meta device (docs/design.md §16).
 
     inv = operator_inventory(ModelConfig.from_preset("k3-2.8t"), "prefill", tokens=4096)
     inv.rows        # one OpRow per (layer type, op): count, shapes, dtypes, FLOPs, bytes, standard / custom

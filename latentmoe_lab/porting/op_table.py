@@ -1,4 +1,4 @@
-"""The simulated device's declared op table and numerics profiles (docs/design.md §17), both editable.
+"""The simulated device's declared op table and numerics profiles (docs/design.md §16), both editable.
 
 FULL_OP_TABLE lists every op a forward, a training step's loss, generate and the alignment taps of the
 model dispatch on CPU, plus the latentmoe custom ops: with it and the "fp32" profile the simulated device

@@ -1,4 +1,4 @@
-"""SimDevice: a simulated new accelerator, in pure Python on top of the CPU (docs/design.md §17).
+"""SimDevice: a simulated new accelerator, in pure Python on top of the CPU (docs/design.md §16).
 
     with SimDevice("bf16-accum-fp32", mode="strict", model=model):
         model(input_ids)                       # every op is checked against the op table and the profile
