@@ -68,6 +68,8 @@ def partition_layers(config: ModelConfig, pp: int, model=None) -> list[range]:
     n = config.num_layers
     if isinstance(pp, bool) or not isinstance(pp, int) or not 1 <= pp <= n:
         raise ValueError(f"pp: must be an integer in [1, num_layers={n}], got {pp!r}")
+    if pp == 1:
+        return [range(n)]  # one stage holds every layer: no need to cost them (a meta-device model build)
     costs = layer_costs(config, model)
     costs[-1] += config.hidden_size * config.vocab_size
     prefix = [0]
