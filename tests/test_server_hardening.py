@@ -6,6 +6,7 @@ import random
 import socket
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from latentmoe_lab.server.cli import _api_key
 from latentmoe_lab.server.stops import StopMatcher
 from latentmoe_lab.server.threaded import start_service
-from latentmoe_lab.serving.parallel_runner import _process_state
+from latentmoe_lab.serving.parallel_runner import ParallelRunner, _process_state
 
 KEY = "hardening-key"
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 128},
@@ -113,6 +114,13 @@ def test_forward_process_state_reads_stopped_and_exited():
         child.kill()
         child.wait(timeout=10)
     assert _process_state(child) == "exited"
+
+
+def test_a_killed_worker_group_reads_as_absent():
+    """After a crash loop the group is killed and restarted only at the next step: /health must say so."""
+    runner = ParallelRunner.__new__(ParallelRunner)  # no processes started: only the group's state matters
+    runner.group = types.SimpleNamespace(conns=[], processes=[])
+    assert runner.unavailable_workers() == ["processes: none running (the group is restarted at the next step)"]
 
 
 def test_api_key_file_keeps_the_key_out_of_the_command_line(tmp_path):

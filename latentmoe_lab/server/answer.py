@@ -87,8 +87,9 @@ async def stream(samples: Samples, shape: Shape, request):
     failed = False
     try:
         async for index, event in samples.events(request, poll=False):
-            if done[index]:
-                continue  # the end of a sample already ended at a stop string
+            if done[index]:  # a sample already ended at a stop string: its last tokens count in usage only
+                choices.feed(index, event)
+                continue
             if event.finished and event.finish_reason == "error":
                 samples.abort()
                 failed = True
