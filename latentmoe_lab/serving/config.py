@@ -235,8 +235,9 @@ def read_service_file(path: str | Path, name: str) -> dict[str, Any]:
     """The mapping of sections in a service file (yaml_loader's rules; `name` is the argument errors name)."""
     data = read_yaml_file(path, name)
     if not isinstance(data, dict):
-        raise ValueError(f"{file_label(path)}: a service file is a mapping of sections (model:, parallel:, "
-                         f"memory:, scheduler:, server:), got {describe(data)}")
+        sections = ", ".join(f"{name}:" for name in [*SECTIONS, "server"])
+        raise ValueError(f"{file_label(path)}: a service file is a mapping of sections ({sections}), "
+                         f"got {describe(data)}")
     return data
 
 
