@@ -16,36 +16,31 @@ point leaves either DIR or `DIR.previous` complete, and `load` falls back to `DI
 warning) in the one instant where DIR is missing. Files in DIR that are not part of a checkpoint are
 carried over to the new directory.
 
-Loading validates every file first (checkpoint_integrity: regular files, well-formed headers whose
-tensors tile the data, checksums), builds the model under accelerate's `init_empty_weights` (no memory),
-checks names, shapes and dtypes against it, then calls `load_checkpoint_and_dispatch`, so a device map
+Loading validates every file first (checkpoint_checks / checkpoint_integrity: regular files, one weights
+layout, well-formed headers whose tensors tile the data), builds the model under accelerate's
+`init_empty_weights` (no memory), checks names, shapes and dtypes against it and the files against
+checksums.json, then calls `load_checkpoint_and_dispatch`, so a device map
 ("auto", {"layers.3": "disk", ...}) with CPU or disk offload works straight from a checkpoint.
 Pickle-based files (.bin, .pt, ...) are refused: loading them can run arbitrary code.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from latentmoe_lab.checkpoint_checks import (CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SHARD_RE, WEIGHTS_NAME,
+                                             check_checkpoint, checked_files, resolve_checkpoint_dir)
 from latentmoe_lab.checkpoint_dir import check_output_dir, make_temporary, swap_in
-from latentmoe_lab.checkpoint_integrity import (CHECKSUMS_NAME, dtype_mismatch, read_json_file, stored_tensors,
-                                                verify_files, write_checksums)
+from latentmoe_lab.checkpoint_integrity import CHECKSUMS_NAME, write_checksums
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.tokenizer_files import write_tokenizer_files
 from latentmoe_lab.textfile import read_text_file
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -133,138 +128,10 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_size: in
 
 def _is_checkpoint_file(name: str) -> bool:
     """Files a save writes itself (an older directory's copies are replaced, never carried over)."""
-    return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, CHECKSUMS_NAME) or bool(_SHARD_RE.fullmatch(name))
+    return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, CHECKSUMS_NAME) or bool(SHARD_RE.fullmatch(name))
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def resolve_checkpoint_dir(path: str | Path, name: str = "path") -> Path:
-    """The directory to read: `path`, or `path.previous` when a save was interrupted between its renames."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{name}: expected a checkpoint directory path, got {type(path).__name__}")
-    path = Path(path)
-    if path.is_dir() and (path / CONFIG_NAME).exists():
-        return path
-    previous = path.parent / f"{path.name}.previous"
-    if not path.exists() and (previous / CONFIG_NAME).exists():
-        warnings.warn(f"{path} is missing but {previous} is complete (a save was interrupted); loading it",
-                      stacklevel=3)
-        return previous
-    if not path.exists():
-        raise FileNotFoundError(f"{name}: no checkpoint directory at {path}")
-    if not path.is_dir():
-        raise ValueError(f"{name}: {path} is a file; a checkpoint is a directory")
-    raise ValueError(f"{name}: {path} has no {CONFIG_NAME}; not a checkpoint written by save_pretrained")
-
-
-def refuse_pickle(directory: Path) -> None:
-    """Raise if the directory holds a pickle-based weights file (torch.load would execute it)."""
-    found = sorted(entry.name for entry in directory.iterdir() if entry.name.lower().endswith(PICKLE_SUFFIXES))
-    if found:
-        raise ValueError(f"path: {directory} holds pickle-based files {found}; only safetensors checkpoints are "
-                         f"loaded (pickle can run arbitrary code). Convert them with safetensors.torch.save_file.")
-
-
-def weight_files(directory: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
-    """(what to hand to accelerate: the single file or the index json, the safetensors files it names,
-    the index's weight_map or None). Exactly one layout may be present: a model.safetensors beside shard
-    files, or shard files the index does not name, are refused (a stale file must not be loaded)."""
-    index, single = directory / INDEX_NAME, directory / WEIGHTS_NAME
-    shards = sorted(p.name for p in directory.iterdir() if _SHARD_RE.fullmatch(p.name))
-    if index.exists() or index.is_symlink():
-        if single.exists() or single.is_symlink():
-            raise ValueError(f"checkpoint file {single}: beside {INDEX_NAME} (a save writes one or the other; "
-                             f"a stale file?); remove the one that does not belong")
-        data = read_json_file(index)
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-            raise ValueError(f"checkpoint file {index}: no 'weight_map' of tensor name -> shard file")
-        files = sorted(set(weight_map.values()))
-        bad = [f for f in files if not f.endswith(".safetensors") or "/" in f or f.startswith(".")]
-        if bad:
-            raise ValueError(f"checkpoint file {index}: points at non-safetensors files {bad}; only safetensors "
-                             f"are loaded")
-        missing = [f for f in files if not (directory / f).exists()]
-        if missing:
-            raise ValueError(f"checkpoint file {index}: names shard files that are missing: {missing}")
-        strays = sorted(set(shards) - set(files))
-        if strays:
-            raise ValueError(f"checkpoint file {directory / strays[0]}: a shard file {INDEX_NAME} does not name "
-                             f"(a stale file?)")
-        return index, [directory / f for f in files], weight_map
-    if single.exists() or single.is_symlink():
-        if shards:
-            raise ValueError(f"checkpoint file {single}: beside shard files {_shorten(shards)} but no {INDEX_NAME} "
-                             f"(a stale file?); remove the one that does not belong")
-        return single, [single], None
-    raise ValueError(f"path: {directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
-
-
-def checked_files(directory: Path) -> tuple[Path, list[Path], dict]:
-    """weight_files, then every header validated (checkpoint_integrity) and the index's weight_map checked
-    against the headers. Returns (entry, files, stored_tensors)."""
-    refuse_pickle(directory)
-    entry, files, weight_map = weight_files(directory)
-    stored = stored_tensors(files)
-    if weight_map is not None:
-        for name, (_, _, file) in stored.items():
-            if weight_map.get(name) != file.name:
-                raise ValueError(f"checkpoint file {file}: tensor {name!r} is not where {INDEX_NAME} puts it "
-                                 f"({weight_map.get(name)})")
-        absent = sorted(set(weight_map) - set(stored))
-        if absent:
-            raise ValueError(f"checkpoint file {directory / weight_map[absent[0]]}: tensor {absent[0]!r} named "
-                             f"by {INDEX_NAME} is not in it")
-    return entry, files, stored
-
-
-def check_checkpoint(model: torch.nn.Module | None, directory: Path, checked: tuple[Path, list[Path], dict],
-                     verify_checksums: bool = True) -> None:
-    """After checked_files (`checked`, done before the model is built), the rest of what a load checks before
-    reading tensor data, most specific error first: the tensors against `model` unless None
-    (check_tensor_names), then the files against checksums.json (verify_files)."""
-    entry, files, stored = checked
-    if model is not None:
-        check_tensor_names(model, stored, directory)
-    verify_files(directory, files + ([entry] if entry.name == INDEX_NAME else []), verify_checksums)
-
-
-def check_tensor_names(model: torch.nn.Module, stored: Mapping[str, tuple[str, tuple[int, ...], Path]],
-                       directory: Path) -> None:
-    """ValueError naming `directory`, the missing and unexpected tensors, every shape mismatch and every dtype
-    that may not load into the model's (checkpoint_integrity.dtype_mismatch). stored: stored_tensors()."""
-    state = model.state_dict()
-    expected = {name: tuple(t.shape) for name, t in state.items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    common = sorted(set(expected) & set(stored))
-    mismatched = [f"{name}: checkpoint {list(stored[name][1])} in {stored[name][2].name} vs model "
-                  f"{list(expected[name])}"
-                  for name in common if stored[name][1] != expected[name]]
-    wrong_dtype = [f"{name}: checkpoint {stored[name][0]} in {stored[name][2].name} vs model "
-                   f"{str(state[name].dtype).removeprefix('torch.')}"
-                   for name in common if dtype_mismatch(stored[name][0], state[name].dtype)]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {_shorten(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors {_shorten(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches {_shorten(mismatched)}")
-    if wrong_dtype:
-        problems.append(f"dtype mismatches {_shorten(wrong_dtype)}")
-    if problems:
-        raise ValueError(f"checkpoint {directory} does not match the model built from its config.json: "
-                         + "; ".join(problems))
-
-
-def _shorten(items: list[str], limit: int = 8) -> str:
-    shown = ", ".join(items[:limit])
-    return f"[{shown}{f', ... ({len(items) - limit} more)' if len(items) > limit else ''}]"
-
-
 def load_checkpoint(model_class: type, path: str | Path, dtype: torch.dtype | None = None,
                     device_map: str | dict | None = None, offload_folder: str | Path | None = None,
                     verify_checksums: bool = True) -> torch.nn.Module:

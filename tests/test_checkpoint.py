@@ -140,7 +140,7 @@ _CHILD = textwrap.dedent("""
         real_rename(src, dst)
         if where == "rename" and str(dst).endswith(".previous"):
             hang("HANGING")
-    ck.save_file, ck.os.rename = save_file, rename
+    ck.save_file, os.rename = save_file, rename  # os.rename: the swap (checkpoint_dir) renames through it
     model.save_pretrained(path, max_shard_size="200KB")
 """)
 

@@ -164,6 +164,25 @@ def test_garbled_header_fails_clearly(saved, tmp_path):
         load_sharded(LatentMoEForCausalLM(ModelConfig.from_preset("tiny")), broken)
 
 
+def test_a_flipped_data_byte_is_refused_by_its_checksum(saved, tmp_path):
+    directory, _, reference = saved
+    damaged = tmp_path / "damaged"
+    shutil.copytree(directory, damaged)
+    shard = sorted((damaged / "model").iterdir())[0]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40  # inside a tensor: the header and the size still hold
+    shard.write_bytes(bytes(data))
+    model = LatentMoEForCausalLM(ModelConfig.from_preset("tiny"))
+    with pytest.raises(ValueError, match=f"{shard.name}: its SHA-256 differs"):
+        load_sharded(model, damaged)
+    shutil.copy(directory / "model" / shard.name, shard)
+    manifest = json.loads((damaged / "checkpoint.json").read_text())
+    del manifest["sha256"]  # as saved before checksums existed: loads on the other checks
+    (damaged / "checkpoint.json").write_text(json.dumps(manifest))
+    load_sharded(model, damaged)
+    assert float((_eval_logits(model) - reference["logits"]).abs().max()) <= 1e-5
+
+
 def test_export_safetensors_then_from_pretrained(saved, tmp_path):
     directory, _, reference = saved
     for limit in ("2GB", 200_000):  # one file, and several shards with an index

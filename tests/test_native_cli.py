@@ -51,6 +51,7 @@ def test_fsdp_x_ep_training_follows_the_plain_run_and_exports(tmp_path, start, p
 def test_resume_under_another_layout_continues_the_run(tmp_path, start, plain):
     train_native(_settings(nproc=2, out=str(tmp_path / "split"), stop_at=2), NativeLayout(dp_shard=2),
                  init_from=start)
+    assert LatentMoEForCausalLM.from_pretrained(tmp_path / "split" / "export")  # the export the CLI announces
     resumed = train_native(_settings(nproc=2, out=str(tmp_path / "split"), resume=True), NativeLayout(tp=2))
     assert resumed.step == 4
     assert resumed.train_loss == pytest.approx(plain.train_loss, abs=1e-4, rel=0)  # as if never interrupted

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from latentmoe_lab.checkpoint import CONFIG_NAME, refuse_pickle, resolve_checkpoint_dir
+from latentmoe_lab.checkpoint_checks import CONFIG_NAME, refuse_pickle, resolve_checkpoint_dir
 from latentmoe_lab.checkpoint_dir import OutputKind
 from latentmoe_lab.checkpoint_integrity import file_sha256, open_regular, read_json_file, read_safetensors_header
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from latentmoe_lab.checkpoint import check_checkpoint, checked_files, resolve_checkpoint_dir
+from latentmoe_lab.checkpoint_checks import check_checkpoint, checked_files, resolve_checkpoint_dir
 from latentmoe_lab.checkpoint_dir import RUN, check_output_dir
 from latentmoe_lab.native.layout import NativeLayout
 from latentmoe_lab.training.lm import History, TrainSettings, progress_bar, warmup_cosine, write_outputs

@@ -17,8 +17,8 @@ import torch
 from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
-from latentmoe_lab.checkpoint import (CONFIG_NAME, check_checkpoint, checked_files, resolve_checkpoint_dir,
-                                      save_checkpoint)
+from latentmoe_lab.checkpoint import save_checkpoint
+from latentmoe_lab.checkpoint_checks import CONFIG_NAME, check_checkpoint, checked_files, resolve_checkpoint_dir
 from latentmoe_lab.checkpoint_integrity import read_json_file
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.quant.linear import QuantLinear

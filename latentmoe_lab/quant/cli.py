@@ -58,7 +58,8 @@ def held_out_rows(args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from latentmoe_lab.checkpoint import check_output_dir, checked_files, resolve_checkpoint_dir
+    from latentmoe_lab.checkpoint_checks import checked_files, resolve_checkpoint_dir
+    from latentmoe_lab.checkpoint_dir import check_output_dir
     from latentmoe_lab.meta import format_bytes, recipe_bytes
     from latentmoe_lab.model import LatentMoEForCausalLM
     from latentmoe_lab.quant.checkpoint import save_quantized
