@@ -65,6 +65,19 @@ def test_standard_and_custom_work():
     assert op_kind("aten.mm") == op_kind("aten.mul") == op_kind("aten.sum") == "standard"
 
 
+def test_images_go_through_the_vision_tower():
+    config = ModelConfig.from_preset("tiny")
+    inventory = operator_inventory(config, "prefill", tokens=300, images=1)
+    vision = [r for r in inventory.rows if r.layer_type == "vision"]
+    blocks = config.vision.num_layers
+    assert sum(r.flops for r in vision) > 0 and {r.layer_type for r in inventory.rows} >= {"vision", "kda"}
+    assert next(r for r in vision if r.op == "aten.native_layer_norm").count == 2 * blocks + 2  # + merger, projector
+    with pytest.raises(ValueError, match="images: only a prefill"):
+        operator_inventory(config, "decode", tokens=1, images=1)
+    with pytest.raises(ValueError, match="images: 2 images of 256 tokens each exceed the 300 prefill tokens"):
+        operator_inventory(config, "prefill", tokens=300, images=2)
+
+
 def test_bad_requests_are_one_line_errors():
     config = ModelConfig.from_preset("tiny")
     with pytest.raises(ValueError, match="phase: must be one of"):

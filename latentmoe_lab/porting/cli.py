@@ -27,6 +27,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="new tokens (prefill, default 4096) or decoding sequences (decode, default 16)")
     parser.add_argument("--context", type=int, default=None,
                         help="tokens already cached per sequence (default: 0 for prefill, 65536 for decode)")
+    parser.add_argument("--images", type=int, default=0,
+                        help="prefill only: images of 448 x 448 (256 tokens each, among --tokens) through the "
+                             "vision tower (default: 0)")
     parser.add_argument("--top", type=int, default=10, help="ops listed by FLOPs and by bytes (default: 10)")
     form = parser.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="print every row as JSON")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     context = args.context if args.context is not None else (0 if args.phase == "prefill" else 65536)
     config = ModelConfig.from_preset(args.preset)
     print(f"building {args.preset} on the meta device (no memory is allocated) ...", file=sys.stderr, flush=True)
-    inventory = operator_inventory(config, args.phase, tokens, context)
+    inventory = operator_inventory(config, args.phase, tokens, context, images=args.images)
     rows = inventory_rows(inventory)
     if args.json:
         print(json.dumps({"preset": args.preset, "phase": args.phase, "tokens": tokens, "context": context,

@@ -25,11 +25,13 @@ from torch.utils.flop_counter import flop_registry
 
 from latentmoe_lab.cache import DSALayerCache, KDALayerCache
 from latentmoe_lab.config import KDA, ModelConfig
+from latentmoe_lab.layers.vision import patch_positions
 from latentmoe_lab.porting import flops as _flops  # noqa: F401  (registers the custom ops' FLOP formulas)
 from latentmoe_lab.porting.module_path import ModuleTracker, layer_type
 from latentmoe_lab.porting.swap import use_custom_ops
 
 PHASES = ("prefill", "decode")
+IMAGE_GRID = (32, 32)  # patches per image side: a 448 x 448 image at patch 14, 256 tokens after the 2x2 merger
 # What seed 000 calls custom work on a new accelerator: the KDA recurrence / chunk, top-k, index
 # gather / scatter, grouped GEMM and the sort-based permutation. Everything else (matmuls, elementwise,
 # reductions, views, copies) a vendor library already has.
@@ -259,11 +261,43 @@ def _check_request(config: ModelConfig, phase: str, tokens: int, context: int) -
                          f"({config.max_position_embeddings})")
 
 
+def encode_images(model, images: int, tracker: ModuleTracker) -> torch.Tensor:
+    """VisionTower.forward on `images` images of IMAGE_GRID patches (zeros), without its value checks (meta
+    tensors hold no values): patch embedding, every ViT block, merger, projector -> [images * 256, hidden]."""
+    vision, device = model.vision, model.vision.patch_embed.weight.device
+    with tracker.inside("vision"):  # the position bookkeeping the tower does outside its submodules
+        grid = torch.tensor([IMAGE_GRID] * images)
+        rows, cols, owner = (t.to(device) for t in patch_positions(grid, vision.merge_size))
+        same_image = owner[:, None] == owner[None, :]
+        pixels = torch.zeros(int(grid.prod(dim=1).sum()), vision.patch_dim, device=device,
+                             dtype=vision.patch_embed.weight.dtype)
+    x = vision.patch_embed(pixels)
+    for block in vision.blocks:
+        x = block(x, rows, cols, same_image)
+    return vision.projector(vision.merger(x))
+
+
+def _check_images(config: ModelConfig, phase: str, tokens: int, images: int) -> None:
+    if isinstance(images, bool) or not isinstance(images, int) or images < 0:
+        raise ValueError(f"images: must be an integer >= 0, got {images!r}")
+    if not images:
+        return
+    if config.vision is None:
+        raise ValueError(f"images: preset {config.name!r} has no vision tower")
+    if phase != "prefill":
+        raise ValueError("images: only a prefill runs the vision tower (decode steps are text)")
+    per_image = IMAGE_GRID[0] * IMAGE_GRID[1] // config.vision.merge_size ** 2
+    if images * per_image > tokens:
+        raise ValueError(f"images: {images} images of {per_image} tokens each exceed the {tokens} prefill tokens")
+
+
 def trace_forward(model, phase: str, tokens: int, context: int, layers: dict[int, int] | None = None,
-                  ) -> list[OpCall]:
-    """Run embedding, the chosen blocks (all when layers is None), final norm and LM head under the recorder.
+                  images: int = 0) -> list[OpCall]:
+    """Run embedding (and the vision tower on `images` images), the chosen blocks (all when layers is None),
+    final norm and LM head under the recorder.
 
     prefill: input [1, tokens] after `context` cached tokens; decode: [tokens, 1], each with `context`.
+    The images' merged tokens are counted among the prefill's `tokens` (their embeddings are replaced).
     The model's parameters may be on the meta device or real; the inputs are made on the same device.
     """
     config = model.config
@@ -276,6 +310,8 @@ def trace_forward(model, phase: str, tokens: int, context: int, layers: dict[int
               for i in chosen}
     with torch.no_grad(), use_custom_ops(), ModuleTracker(model) as tracker, DispatchRecorder(tracker) as recorder:
         x = model.embed_tokens(input_ids)
+        if images:
+            encode_images(model, images, tracker)
         for i in chosen:
             x = model.layers[i](x, caches[i])
         logits = model.lm_head(model.norm(x))
@@ -285,8 +321,11 @@ def trace_forward(model, phase: str, tokens: int, context: int, layers: dict[int
 
 
 def operator_inventory(config: ModelConfig, phase: str = "prefill", tokens: int = 4096, context: int = 0,
-                       every_layer: bool = False, dtype: torch.dtype = torch.bfloat16) -> Inventory:
+                       every_layer: bool = False, dtype: torch.dtype = torch.bfloat16, images: int = 0) -> Inventory:
     """The inventory of one forward of `config` built on the meta device (nothing is allocated).
+
+    images: prefill only, that many images of IMAGE_GRID patches through the vision tower; their merged
+    tokens are among the `tokens` (so tokens >= images x 256). The closed-form budget covers the text path.
 
     dtype: the weights' and activations' storage (bf16, as deployed; routers, KDA state and softmax stay fp32).
     every_layer: run all blocks instead of one per kind (slower at full scale; same result).
@@ -294,10 +333,11 @@ def operator_inventory(config: ModelConfig, phase: str = "prefill", tokens: int 
     from latentmoe_lab.meta import build_meta_model
 
     _check_request(config, phase, tokens, context)
+    _check_images(config, phase, tokens, images)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype: must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
     model = build_meta_model(config).to(dtype)
     layers = None if every_layer else representative_blocks(config)
-    calls = trace_forward(model, phase, tokens, context, layers)
+    calls = trace_forward(model, phase, tokens, context, layers, images)
     multiplier = {str(i): n for i, n in (layers or {}).items()}
     return Inventory(config.name, phase, tokens, context, aggregate(calls, model, multiplier))
