@@ -76,7 +76,7 @@ def test_logprobs_survive_preemption_without_repeats(model):
     engine = _engine(model, blocks=8)
     assert engine.plan.num_blocks == 8
     prompts = [list(f"{i}: the quick brown fox jumps over the lazy dog".encode()) for i in range(3)]
-    params = SamplingParams(max_tokens=40, logprobs=1, prompt_logprobs=1)
+    params = SamplingParams(max_tokens=20, logprobs=1, prompt_logprobs=1)
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert engine.stats()["preemptions"] > 0, "the pools are sized to force a preemption"
     for prompt, out in zip(prompts, outs):
