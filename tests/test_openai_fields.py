@@ -178,6 +178,13 @@ def test_chat_fields(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == response.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    full = response.choices[0].message.content
+    stop = full[1:3]
+    cut = client.chat.completions.create(max_completion_tokens=4, stop=stop, **kwargs).choices[0]
+    assert (cut.message.content, cut.finish_reason) == (full[:full.find(stop)], "stop")
+    indices = {c.choices[0].index for c in client.chat.completions.create(max_tokens=2, n=3, stream=True, **kwargs)
+               if c.choices}
+    assert indices == {0, 1, 2}
     default = client.chat.completions.create(**kwargs)  # no limit given: server.default_max_tokens (5)
     assert default.usage.completion_tokens == 5 and default.choices[0].finish_reason == "length"
 
