@@ -136,6 +136,7 @@ def test_fuzzed_checkpoint_files_are_refused_or_load_identically(tmp_path, tiny_
     finally:
         signal.signal(signal.SIGALRM, previous)
         weights.write_bytes(intact)
+    print(f"{MUTATIONS} mutations, {sum(outcomes.values())} loads: {dict(outcomes)}")
     assert not failures, f"{failures[:10]} ({outcomes})"
     assert outcomes["refused"] > 0.8 * sum(outcomes.values()), outcomes  # the fuzz really damages the file
     assert torch.equal(LatentMoEForCausalLM.from_pretrained(path)(IDS).logits, reference)  # restored: loads
