@@ -42,6 +42,8 @@ COMMANDS = {
                     "run a synthetic workload through the serving engine and report latencies"),
     "ops": ("latentmoe_lab.porting.cli:add_parser",
             "operator inventory of a preset: ATen and custom ops per layer type, FLOPs and bytes (meta device)"),
+    "export-notebook": ("latentmoe_lab.viz.export:add_parser",
+                        "export executed notebooks to HTML pages that need no network"),
 }
 
 

@@ -1,0 +1,25 @@
+"""`latentmoe-lab ops`: the operator inventory from the command line, its JSON / CSV forms and its errors."""
+import json
+
+import pytest
+
+from latentmoe_lab.cli import main
+
+
+def test_ops_command_prints_json_and_csv(capsys):
+    assert main(["ops", "--preset", "tiny", "--phase", "decode", "--tokens", "2", "--context", "9", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"] and abs(report["flops_per_token"] / report["expected_flops_per_token"] - 1) < 0.02
+    assert {"latentmoe.kda_decode_step", "latentmoe.sparse_attention"} <= {r["op"] for r in report["rows"]}
+    assert main(["ops", "--preset", "tiny", "--tokens", "5", "--csv"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("layer_type,op,kind,count,flops,bytes_read,bytes_written")
+
+
+def test_ops_bad_flags_are_one_line_errors(capsys):
+    assert main(["ops", "--preset", "tiny", "--tokens", "5", "--context", str(10 ** 9)]) == 2
+    assert "ops: error: context:" in capsys.readouterr().err
+    for flags in (["--preset", "nope"], ["--phase", "train"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["ops", *flags])
+        assert exit_info.value.code == 2
