@@ -2,16 +2,14 @@
 
     inv = operator_inventory(ModelConfig.from_preset("k3-2.8t"), "prefill", tokens=4096)
     inv.rows        # one OpRow per (layer type, op): count, shapes, dtypes, FLOPs, bytes, standard / custom
-    inv.table()     # top ops by FLOPs and by bytes
+    inv.top("flops"), inv.top("bytes")     # the heaviest ops, merged over layer types
 
 How: the model is built on the meta device (no storage), its fused paths go through the custom ops
-(porting/swap.py), and a TorchDispatchMode records every op a forward dispatches, the module it came
-from (porting/module_path.py), its shapes and dtypes, FLOPs (torch.utils.flop_counter's registry,
-which porting/flops.py extends with our custom ops) and bytes (inputs read once, outputs written once;
-views move nothing; gathers and the grouped / sparse custom ops read only the rows they use, `BYTES_READ`). One representative block of each kind (attention type x dense / MoE FFN) runs, and
-its ops count once per layer of that kind: blocks of one kind dispatch the same ops on the same shapes
-(tests/test_porting_inventory.py checks it against a dispatch trace of every layer of a real run).
-Meta tensors have no values, so `bincount` (expert counts: one slot per expert) is answered by shape.
+(porting/swap.py), and porting/recorder.py records every op a forward dispatches with the module it came
+from, its shapes, dtypes, FLOPs and bytes. One representative block of each kind (attention type x dense /
+MoE FFN) runs, and its ops count once per layer of that kind: blocks of one kind dispatch the same ops on
+the same shapes (tests/test_porting_inventory.py checks it against a dispatch trace of every layer of a
+real run).
 """
 from __future__ import annotations
 
@@ -19,125 +17,28 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from latentmoe_lab.cache import DSALayerCache, KDALayerCache
 from latentmoe_lab.config import KDA, ModelConfig
 from latentmoe_lab.layers.vision import patch_positions
-from latentmoe_lab.porting import flops as _flops  # noqa: F401  (registers the custom ops' FLOP formulas)
 from latentmoe_lab.porting.module_path import ModuleTracker, layer_type
+from latentmoe_lab.porting.recorder import DispatchRecorder, OpCall
 from latentmoe_lab.porting.swap import use_custom_ops
 
 PHASES = ("prefill", "decode")
 IMAGE_GRID = (32, 32)  # patches per image side: a 448 x 448 image at patch 14, 256 tokens after the 2x2 merger
-# What seed 000 calls custom work on a new accelerator: the KDA recurrence / chunk, top-k, index
-# gather / scatter, grouped GEMM and the sort-based permutation. Everything else (matmuls, elementwise,
-# reductions, views, copies) a vendor library already has.
+# What needs custom work on a new accelerator: the KDA recurrence / chunk, top-k, index gather / scatter,
+# grouped GEMM and the sort-based permutation. Everything else (matmuls, elementwise, reductions, views,
+# copies) a vendor library already has.
 CUSTOM_WORK = {"latentmoe", "topk", "sort", "argsort", "gather", "scatter", "scatter_add", "scatter_", "index",
                "index_select", "index_add", "index_add_", "index_put", "index_put_", "index_copy", "index_copy_",
                "bincount", "_grouped_mm", "linalg_solve_triangular", "masked_scatter", "nonzero"}
-
-
-def op_name(func) -> str:
-    """torch.ops.aten.mm.default -> "aten.mm"; custom ops keep their namespace ("latentmoe.kda_chunk")."""
-    return func._overloadpacket._qualified_op_name.replace("::", ".")
 
 
 def op_kind(name: str) -> str:
     """"custom" for the ops needing custom work on a new accelerator, else "standard"."""
     namespace, _, base = name.partition(".")
     return "custom" if namespace == "latentmoe" or base in CUSTOM_WORK else "standard"
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def _nbytes(tensors) -> int:
-    unique = {id(t): t for t in tensors}
-    return sum(t.numel() * t.element_size() for t in unique.values())
-
-
-def op_flops(func, args, kwargs, out) -> int:
-    """FLOPs of one call from flop_counter's registry (ours included); 0 for ops it has no formula for."""
-    formula = flop_registry.get(func._overloadpacket)
-    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-
-
-def _gathered(out, *indices) -> int:
-    """A gather reads the rows it returns (and its indices), not the whole table."""
-    return _nbytes(_tensors(out)) + _nbytes([i for i in indices if isinstance(i, torch.Tensor)])
-
-
-def _grouped_read(x, w, offsets, *rest) -> int:
-    """A grouped GEMM reads x and the weights of at most min(E, M) experts (the ones that got rows)."""
-    experts = w.shape[0]
-    return _nbytes([x, offsets]) + w.numel() * w.element_size() * min(experts, x.shape[0]) // experts
-
-
-def _sparse_attention_read(q, k, v, indices, *rest) -> int:
-    """q, the indices and the selected key / value rows (one gather when v is k's leading channels)."""
-    rows = indices.numel() * k.shape[2]
-    value_is_key = v._base is not None and v._base is (k._base if k._base is not None else k)
-    return _nbytes([q, indices]) + rows * k.element_size() * (k.shape[-1] + (0 if value_is_key else v.shape[-1]))
-
-
-# Bytes read by ops that touch only part of an input; every other op reads each input once.
-BYTES_READ = {
-    "aten.embedding": lambda out, weight, indices, *rest: _gathered(out, indices),
-    "aten.index_select": lambda out, x, dim, index: _gathered(out, index),
-    "aten.gather": lambda out, x, dim, index, *rest: _gathered(out, index),
-    "aten.index": lambda out, x, indices: _gathered(out, *indices),
-    "latentmoe.grouped_matmul": lambda out, *args: _grouped_read(*args),
-    "latentmoe.grouped_swiglu": lambda out, *args: _grouped_read(*args),
-    "latentmoe.sparse_attention": lambda out, *args: _sparse_attention_read(*args),
-}
-
-
-def bytes_read(name: str, func, args, kwargs, out) -> int:
-    if func.is_view:
-        return 0
-    partial = BYTES_READ.get(name)
-    return partial(out, *args, **kwargs) if partial is not None else _nbytes(_tensors((args, kwargs)))
-
-
-@dataclass
-class OpCall:
-    """One dispatched op: where it ran, what it was called with, its cost."""
-
-    path: str
-    op: str
-    shapes: tuple
-    dtypes: tuple
-    flops: int
-    bytes_read: int
-    bytes_written: int
-
-
-class DispatchRecorder(TorchDispatchMode):
-    """Record every op dispatched inside the block (with the module path `tracker` reports)."""
-
-    def __init__(self, tracker: ModuleTracker | None = None):
-        super().__init__()
-        self.tracker, self.calls = tracker, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten.bincount.default and args[0].is_meta:  # counts per expert: minlength slots
-            out = torch.empty(kwargs.get("minlength", args[2] if len(args) > 2 else 0), dtype=torch.int64,
-                              device="meta")
-        else:
-            out = func(*args, **kwargs)
-        inputs, name = _tensors((args, kwargs)), op_name(func)
-        self.calls.append(OpCall(
-            path=self.tracker.current if self.tracker else "", op=name,
-            shapes=tuple(tuple(t.shape) for t in inputs), dtypes=tuple(str(t.dtype).replace("torch.", "")
-                                                                      for t in inputs),
-            flops=op_flops(func, args, kwargs, out), bytes_read=bytes_read(name, func, args, kwargs, out),
-            bytes_written=0 if func.is_view else _nbytes(_tensors(out))))
-        return out
 
 
 @dataclass

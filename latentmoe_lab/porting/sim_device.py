@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-from latentmoe_lab.porting.inventory import op_name
+from latentmoe_lab.porting.recorder import op_name, tensors_of
 from latentmoe_lab.porting.module_path import ModuleTracker, layer_type
 from latentmoe_lab.porting.op_table import FULL_OP_TABLE, MATMUL_OPS, check_op_names, resolve_profile
 
@@ -101,7 +101,7 @@ class SimDevice(TorchDispatchMode):
         """Why the device cannot run this call (None when it can). Checks the inputs' dtypes and limits."""
         if name not in self.op_table:
             return "not in the op table"
-        for tensor in _tensors((args, kwargs)):
+        for tensor in tensors_of((args, kwargs)):
             if tensor.dtype not in self.profile.dtype_set:
                 return f"{str(tensor.dtype).replace('torch.', '')} tensors are not in profile {self.profile.name!r}"
         requested = kwargs.get("dtype") if name in ("aten._to_copy", "aten.to") else None
@@ -112,7 +112,7 @@ class SimDevice(TorchDispatchMode):
         return None
 
     def _output_reason(self, out) -> str | None:
-        for tensor in _tensors(out):
+        for tensor in tensors_of(out):
             if tensor.dtype not in self.profile.dtype_set:
                 return f"returns {str(tensor.dtype).replace('torch.', '')}, not in profile {self.profile.name!r}"
         return None
@@ -134,7 +134,7 @@ class SimDevice(TorchDispatchMode):
             return out
         module = self._tracker.current if self._tracker else ""
         if self.mode == "strict":
-            raise UnsupportedOperator(name, tuple(tuple(t.shape) for t in _tensors((args, kwargs))), module, reason)
+            raise UnsupportedOperator(name, tuple(tuple(t.shape) for t in tensors_of((args, kwargs))), module, reason)
         self._missing[name] += 1
         self._reasons.setdefault(name, reason)
         self._layers[name].add(layer_type(module, self.model) or module or "<top level>" if self.model is not None
@@ -166,10 +166,6 @@ class SimDevice(TorchDispatchMode):
         return Coverage(self.ops_run, dict(self._missing), dict(self._reasons),
                         {op: sorted(where) for op, where in self._layers.items()}, self.host_round_trips,
                         self.host_syncs)
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 class SimDeviceCandidate(nn.Module):
