@@ -5,8 +5,9 @@ accelerate's `infer_auto_device_map` where each decoder block goes for a cluster
 (devices first, then "cpu", then "disk"; a block is never split).
 
 Small configs, for real: `offload_experts` swaps each MoE layer's `experts` for `OffloadedExperts`:
-the `hot` most used experts stay resident, every other expert lives in its own file on disk and
-is read into an `ExpertCache` (LRU or LFU, fixed capacity) when a token routes to it.
+the `hot` most used experts stay resident (most used in a recorder's window of served traffic,
+parallel/eplb_load.py, or in one calibration forward), every other expert lives in its own file on
+disk and is read into an `ExpertCache` (LRU or LFU, fixed capacity) when a token routes to it.
 `dispatch_with_offload` then places whole blocks on "cpu" or "disk" with accelerate's
 `dispatch_model` from a device map. The logits stay exactly those of the resident model.
 
@@ -122,6 +123,7 @@ class OffloadedExperts(nn.Module):
         # not a registered submodule: its meta weights must stay out of state_dict and .to()
         object.__setattr__(self, "template", template)
         self.bytes_read = 0
+        self.resident_uses = 0  # active experts served from the resident set (the cache counts the others)
 
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         if expert in self._hot_slot:
@@ -148,6 +150,7 @@ class OffloadedExperts(nn.Module):
         if not active:
             return z_perm.new_zeros(z_perm.shape)
         # fetching weights is per expert by nature (cache lookups and file reads); the math below is batched
+        self.resident_uses += sum(e in self._hot_slot for e in active)
         weights = [self._weights(e) for e in active]
         w13 = torch.stack([w for w, _ in weights])
         w2 = torch.stack([w for _, w in weights])
@@ -172,25 +175,46 @@ def hot_experts(counts: torch.Tensor, keep: int) -> list[int]:
 
 
 def offload_experts(model: nn.Module, folder: str | Path, hot: int, capacity: int, policy: str = "lru",
-                    calibration: torch.Tensor | None = None) -> dict[int, OffloadedExperts]:
+                    calibration: torch.Tensor | None = None,
+                    frequencies: torch.Tensor | None = None) -> dict[int, OffloadedExperts]:
     """Replace every MoE layer's experts by OffloadedExperts in place; returns {layer: module}.
 
-    The hot set per layer comes from one forward over `calibration` ids [B, T] (token counts per
-    expert); without it, experts 0 .. hot-1. Each layer gets its own cache of `capacity` experts.
+    The hot set per layer: the `hot` most routed experts of `frequencies` [MoE layers, E] (an
+    ExpertLoadRecorder's window: the traffic actually served), else of one forward over `calibration`
+    ids [B, T], else experts 0 .. hot-1. Each layer gets its own cache of `capacity` experts.
     Files go to `<folder>/model-XXXXXXXX/layer_<i>/`, a subfolder new to this call.
     """
-    if calibration is not None:
+    moe_blocks = [i for i, block in enumerate(model.layers) if isinstance(block.ffn, LatentMoE)]
+    if frequencies is not None and (not isinstance(frequencies, torch.Tensor) or frequencies.dim() != 2
+                                    or frequencies.shape[0] != len(moe_blocks)):
+        shape = tuple(frequencies.shape) if isinstance(frequencies, torch.Tensor) else type(frequencies).__name__
+        raise ValueError(f"frequencies: expected [MoE layers={len(moe_blocks)}, experts], got {shape}")
+    if calibration is not None and frequencies is None:
         with torch.no_grad():
             model(calibration)
     out, root = {}, _model_folder(folder)
     for i, block in enumerate(model.layers):
         if isinstance(block.ffn, LatentMoE):
             layer = block.ffn
-            chosen = hot_experts(layer.last_expert_counts, hot) if calibration is not None else list(range(hot))
+            if frequencies is not None:
+                chosen = hot_experts(frequencies[moe_blocks.index(i)], hot)
+            else:
+                chosen = hot_experts(layer.last_expert_counts, hot) if calibration is not None else list(range(hot))
             layer.experts = OffloadedExperts(layer.experts, chosen, root / f"layer_{i}",
                                              ExpertCache(capacity, policy))
             out[i] = layer.experts
     return out
+
+
+def offload_stats(layers: dict[int, OffloadedExperts], steps: int) -> dict:
+    """Over the offloaded layers: hit_rate (expert uses served without a disk read: resident or cached)
+    and bytes_per_step read from disk, over `steps` forwards."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: must be a positive integer, got {steps!r}")
+    served = sum(m.resident_uses + m.cache.hits for m in layers.values())
+    misses = sum(m.cache.misses for m in layers.values())
+    return {"hit_rate": served / (served + misses) if served + misses else 1.0,
+            "bytes_per_step": sum(m.bytes_read for m in layers.values()) / steps}
 
 
 def dispatch_with_offload(model: nn.Module, device_map: dict, offload_dir: str | Path) -> nn.Module:

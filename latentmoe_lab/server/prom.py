@@ -59,6 +59,14 @@ class ServerMetrics:
         self.rank_resident = Gauge(f"{p}_worker_resident_memory_bytes", "a worker rank's resident memory at its "
                                    "last step (the server process's own is process_resident_memory_bytes)",
                                    ["rank"], registry=r)
+        # expert-parallel load (parallel/eplb_load.py): mean / max routed tokens per EP rank over the
+        # recorder's window, averaged over MoE layers; routed tokens per (MoE layer, logical expert)
+        self.expert_balancedness = Gauge(f"{p}_expert_balancedness", "mean / max routed tokens per EP rank over "
+                                         "the last eplb.window_steps steps, averaged over MoE layers", registry=r)
+        self.expert_tokens = Counter(f"{p}_expert_tokens", "tokens routed to a logical expert of an MoE layer",
+                                     ["layer", "expert"], registry=r)
+        self.eplb_bytes_moved = Counter(f"{p}_eplb_bytes_moved", "expert weight bytes copied by EPLB migrations",
+                                        registry=r)
         self.engine_replaced()
 
     def observe_engine(self, stats: dict) -> None:
@@ -84,10 +92,23 @@ class ServerMetrics:
                 seen[rank] = total
         for rank, resident in enumerate(stats["rank_resident_bytes"]):
             self.rank_resident.labels(rank=str(rank)).set(resident)
+        self.expert_balancedness.set(stats.get("expert_balancedness", 1.0))  # an engine without MoE: 1
+        for layer, row in enumerate(stats.get("expert_tokens", [])):
+            for expert, total in enumerate(row):
+                key = (layer, expert)
+                if total > self._expert_tokens.get(key, 0):
+                    self.expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(
+                        total - self._expert_tokens.get(key, 0))
+                self._expert_tokens[key] = total
+        moved = stats.get("eplb_bytes_moved", 0)
+        if moved > self._engine_counts["eplb_bytes_moved"]:
+            self.eplb_bytes_moved.inc(moved - self._engine_counts["eplb_bytes_moved"])
+        self._engine_counts["eplb_bytes_moved"] = moved
 
     def engine_replaced(self) -> None:
         """A fresh engine counts from zero again."""
-        self._engine_counts = dict.fromkeys(ENGINE_COUNTS, 0)
+        self._engine_counts = dict.fromkeys(ENGINE_COUNTS + ("eplb_bytes_moved",), 0)
+        self._expert_tokens: dict[tuple[int, int], int] = {}
         self._rank_seconds: dict[str, list[float]] = {name: [] for name in self.rank_seconds}
 
     def observe_finished(self, reason: str, token_times: list[float], accepted: float, finished: float) -> None:

@@ -1,6 +1,6 @@
 """ServiceConfig: the YAML file that describes one serving deployment (docs/design.md §6.1).
 
-Four sections, the keys of the public example first, then ours where the example is silent:
+Five sections, the keys of the public example first, then ours where the example is silent:
 
     model:
       name                  str    label only (not empty)
@@ -52,6 +52,13 @@ Four sections, the keys of the public example first, then ours where the example
       batch_invariant       bool   ours: a request's logits bit for bit independent of its step-mates, the
                                    budget and prefix hits (serving/invariance.py; default false: it costs
                                    budget at chunk ends and 13-21% of the engine's throughput on the CPU)
+    eplb:                          ours: expert-parallel load balancing (parallel/eplb_serving.py, design §14)
+      enabled               bool   redundant expert slots and online migration on the EP workers (default
+                                   false; needs parallel.expert_parallel_size > 1)
+      num_redundant_experts int    extra slots per MoE layer, >= 0; experts + it must divide by the EP size
+      window_steps          int    steps of routed-token counts the balancer (and /metrics) looks at (32)
+      rebalance_interval_steps int a new placement every this many steps (64)
+      layers_per_step       int    MoE layers whose slots migrate with one step (1)
 
 A file is read by latentmoe_lab/yaml_loader.py (no anchors, aliases, tags or duplicate keys; ints are
 plain decimals; errors name the file, line and column). A section may be left empty (`memory:` alone:
@@ -129,8 +136,17 @@ class SchedulerSection:
     batch_invariant: bool = False
 
 
+@dataclass
+class EplbSection:
+    enabled: bool = False
+    num_redundant_experts: int = 0
+    window_steps: int = 32
+    rebalance_interval_steps: int = 64
+    layers_per_step: int = 1
+
+
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
-            "scheduler": SchedulerSection}
+            "scheduler": SchedulerSection, "eplb": EplbSection}
 
 
 @dataclass
@@ -139,6 +155,7 @@ class ServiceConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     memory: MemorySection = field(default_factory=MemorySection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    eplb: EplbSection = field(default_factory=EplbSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServiceConfig":
@@ -219,6 +236,13 @@ class ServiceConfig:
                f"must be an integer >= 0, got {describe(s.max_step_retries)}")
         _check(1 <= s.max_log_records <= MAX_LOG_RECORDS, "scheduler.max_log_records",
                f"must be a positive integer, at most {MAX_LOG_RECORDS}, got {describe(s.max_log_records)}")
+        e = self.eplb
+        for key in ("window_steps", "rebalance_interval_steps", "layers_per_step"):
+            _positive_int(f"eplb.{key}", getattr(e, key))
+        _check(e.num_redundant_experts >= 0, "eplb.num_redundant_experts",
+               f"must be an integer >= 0, got {describe(e.num_redundant_experts)}")
+        _check(not e.enabled or p.expert_parallel_size > 1, "eplb.enabled",
+               "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")

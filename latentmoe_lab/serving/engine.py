@@ -36,6 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from latentmoe_lab.finite import first_non_finite
+from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder, moe_layers
+from latentmoe_lab.parallel.eplb_serving import OnlineBalancer
 from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.failures import StepError, settle_failed_step
@@ -103,9 +105,16 @@ class Engine:
         self._tokens = {"prefill": 0, "decode": 0}
         # last: a parallel runner starts worker processes, which nothing after it may leave behind
         grid = batch_invariant_grid(model, cfg, layout is None, device)
+        # routed tokens per MoE layer and logical expert over the last eplb.window_steps steps (/metrics, EPLB)
+        moe = moe_layers(model)
+        self.expert_load = ExpertLoadRecorder.for_model(model, cfg.eplb.window_steps) if moe else None
+        self.balancer = None if not (cfg.eplb.enabled and moe) else OnlineBalancer(
+            len(moe), moe[0].num_experts, layout.ep, cfg.eplb.num_redundant_experts, moe[0].n_group,
+            cfg.eplb.rebalance_interval_steps, cfg.eplb.layers_per_step)
         self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device, cfg.scheduler.batch_invariant)
                        if layout is None
-                       else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout)))
+                       else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout),
+                                           self.balancer, self.expert_load))
         copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
                                    cfg.scheduler.chunked_prefill, copy_slot, grid)
@@ -164,6 +173,8 @@ class Engine:
         if batch.entries:
             try:
                 output = self.runner.run(batch)
+                if self.expert_load is not None:
+                    self.expert_load.record(self.runner.expert_counts())
                 schedule_time += self.runner.last_build_time
                 sampled = self._sample(batch, output, outputs)
             except WorkerGroupError as error:
@@ -366,7 +377,18 @@ class Engine:
                 # per worker rank, summed over steps; empty when the forward runs in this process
                 "rank_forward_seconds": list(getattr(self.runner, "rank_forward_seconds", [])),
                 "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", [])),
-                "rank_resident_bytes": list(getattr(self.runner, "rank_resident_bytes", []))}
+                "rank_resident_bytes": list(getattr(self.runner, "rank_resident_bytes", [])),
+                **self._expert_stats()}
+
+    def _expert_stats(self) -> dict:
+        """Balancedness of the recorder's window over the EP ranks (with EPLB's current slots) and the
+        routed tokens per [MoE layer][expert] since the engine started."""
+        if self.expert_load is None:
+            return {"expert_balancedness": 1.0, "expert_tokens": [], "eplb_bytes_moved": 0}
+        placement = None if self.balancer is None else self.balancer.slots()
+        balance = self.expert_load.balance(self.config.parallel.expert_parallel_size, placement)
+        return {"expert_balancedness": balance["balancedness"], "expert_tokens": self.expert_load.total.tolist(),
+                "eplb_bytes_moved": getattr(self.runner, "eplb_bytes_moved", 0)}
 
 
 def _worker_threads(section, layout) -> int:

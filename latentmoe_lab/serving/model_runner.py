@@ -28,6 +28,7 @@ import torch
 
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.ops.batch_invariant import batch_invariant_mode
+from latentmoe_lab.parallel.eplb_load import moe_layers
 from latentmoe_lab.serving.logprobs import token_logprobs
 from latentmoe_lab.serving.scheduler import ScheduledBatch
 from latentmoe_lab.serving.sequence import Sequence
@@ -96,6 +97,10 @@ class ModelRunner:
             image_features=torch.cat(image_rows) if image_rows else None,
             image_mask=torch.tensor(image_mask, dtype=torch.bool, device=self.device) if image_rows else None,
         )
+
+    def expert_counts(self) -> torch.Tensor:
+        """Routed tokens per logical expert of every MoE layer in the last step, [MoE layers, E] int64."""
+        return torch.stack([layer.last_expert_counts for layer in moe_layers(self.model)])
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch):

@@ -37,7 +37,10 @@ import torch
 
 from latentmoe_lab.model import CausalLMOutput
 from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder
+from latentmoe_lab.parallel.eplb_serving import OnlineBalancer
 from latentmoe_lab.parallel.launch import loopback_store
+from latentmoe_lab.parallel.mesh import coords_rank
 from latentmoe_lab.serving.config import ParallelSection
 from latentmoe_lab.serving.model_runner import ModelRunner
 from latentmoe_lab.serving.parallel_worker import answer_rank, pack_batch, run_worker
@@ -115,9 +118,11 @@ def _process_state(process) -> str | None:
 class WorkerGroup:
     """pp * tp * ep worker processes in one gloo group, started by start(), ended by close() or kill()."""
 
-    def __init__(self, pconfig: ParallelConfig, config, stages: list[ServingStage], weights: bytes, threads: int = 1):
+    def __init__(self, pconfig: ParallelConfig, config, stages: list[ServingStage], weights: bytes, threads: int = 1,
+                 placement: torch.Tensor | None = None):
         self.pconfig, self.config, self.stages, self.weights = pconfig, config, stages, weights
         self.threads = threads  # torch threads of each rank
+        self.placement = placement  # EPLB's expert slots [MoE layers, P] the workers start from, or None
         self.answer_rank = answer_rank(pconfig)  # the rank whose pipe brings the logits
         self.pool_bytes: list[int] = [0] * pconfig.world_size  # what each rank allocated, from its "ready"
         self.processes: list = []
@@ -137,7 +142,7 @@ class WorkerGroup:
             ours, theirs = context.Pipe()
             process = context.Process(target=run_worker, name=f"latentmoe-serve-rank{rank}", daemon=True,
                                       args=(rank, self.pconfig, port, self.config, self.stages, self.weights,
-                                            theirs, heartbeat, self.threads))
+                                            theirs, heartbeat, self.threads, self.placement))
             with _children_without_main():
                 process.start()
             theirs.close()
@@ -160,9 +165,10 @@ class WorkerGroup:
         return self
 
     def step(self, header: dict, flat: torch.Tensor,
-             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float, int]]]:
+             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float, int]], list]:
         """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, every rank's (forward seconds,
-        collective seconds, resident bytes) in rank order); WorkerGroupError on any failure.
+        collective seconds, resident bytes) in rank order, every rank's expert load {"counts": its stage's
+        routed tokens [L_stage, E], "moved": bytes its EPLB migration copied}); WorkerGroupError on any failure.
 
         The answer rank sends the logits with its seconds, every other rank its seconds alone, each on its
         own pipe once its part of the step is done; the step returns when all of them have arrived.
@@ -176,7 +182,7 @@ class WorkerGroup:
         # a hung rank makes its peers' collectives time out, and they report it; this deadline is the
         # backstop for a group that stops answering as a whole (a whole step may outlast one collective)
         deadline = time.monotonic() + (self.pconfig.pp + 1) * self.pconfig.timeout_s
-        answer, seconds = None, {}
+        answer, seconds, loads = None, {}, {}
         while answer is None or len(seconds) < len(self.conns):
             ready = wait(self.conns + [p.sentinel for p in self.processes],
                          timeout=max(0.0, deadline - time.monotonic()))
@@ -188,15 +194,17 @@ class WorkerGroup:
                     continue
                 reply = self._receive(rank)
                 if reply is not None and reply[0] == "logits" and rank == self.answer_rank:
-                    answer, seconds[rank] = reply, reply[3]
+                    answer, seconds[rank], loads[rank] = reply, reply[3], reply[4]
                 elif reply is not None and reply[0] == "seconds":
-                    seconds[rank] = reply[1]
+                    seconds[rank], loads[rank] = reply[1], reply[2]
                 else:
                     raise self._failure(f"rank {rank} failed the step", reply)
             dead = [r for r, p in enumerate(self.processes) if p.sentinel in ready]
             if dead:
                 raise self._failure(f"rank {dead[0]} failed the step")
-        return torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), [seconds[r] for r in range(len(self.conns))]
+        ranks = range(len(self.conns))
+        return (torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), [seconds[r] for r in ranks],
+                [loads[r] for r in ranks])
 
     def _receive(self, rank: int):
         """Rank's next message, or None when its pipe is closed (the process died without a word)."""
@@ -248,9 +256,16 @@ class ParallelRunner(ModelRunner):
     rank before the next step's forward, in order.
     """
 
-    def __init__(self, model, stages: list[ServingStage], pconfig: ParallelConfig, threads: int = 1):
+    def __init__(self, model, stages: list[ServingStage], pconfig: ParallelConfig, threads: int = 1,
+                 balancer: OnlineBalancer | None = None, recorder: ExpertLoadRecorder | None = None):
         super().__init__(model, None, stages[0].plan.block_size)
         self.stages, self.pconfig, self.threads = stages, pconfig, threads
+        # EPLB (parallel/eplb_serving.py): the balancer reads the recorder's window and hands the workers
+        # placement updates with the steps; eplb_bytes_moved sums what their migrations copied
+        self.balancer, self.recorder = balancer, recorder
+        self.eplb_bytes_moved = 0
+        self.last_expert_counts: torch.Tensor | None = None  # [MoE layers, E] of the last step
+        self._steps = 0
         self.restarts = 0
         self.restarts_in_a_row = 0  # since the last step that succeeded
         # every rank's forward and collective seconds, summed over steps (across group restarts too)
@@ -258,7 +273,15 @@ class ParallelRunner(ModelRunner):
         self.rank_collective_seconds = [0.0] * pconfig.world_size
         self.rank_resident_bytes = [0] * pconfig.world_size  # at each rank's last step
         self._copies: list[tuple[int, int]] = []
-        self.group = WorkerGroup(pconfig, model.config, stages, weights_bytes(model), threads).start()
+        self.group = WorkerGroup(pconfig, model.config, stages, weights_bytes(model), threads,
+                                 self._placement()).start()
+
+    def _placement(self) -> torch.Tensor | None:
+        """The expert slots a fresh group starts from: every update handed out so far."""
+        return None if self.balancer is None else self.balancer.placement.clone()
+
+    def expert_counts(self) -> torch.Tensor:
+        return self.last_expert_counts
 
     @property
     def pids(self) -> list[int]:
@@ -281,13 +304,20 @@ class ParallelRunner(ModelRunner):
             self.encode_images(seq)
         start = time.monotonic()
         header, flat, features = pack_batch(self.build_batch(batch), self._copies)
+        if self.balancer is not None:
+            header["eplb"] = self.balancer.updates(self.recorder.window, self._steps)
         self._copies = []
         self.last_build_time = time.monotonic() - start
-        logits, finite, seconds = self.group.step(header, flat, features)
+        logits, finite, seconds, loads = self.group.step(header, flat, features)
         for rank, (forward, collective, resident) in enumerate(seconds):
             self.rank_forward_seconds[rank] += forward
             self.rank_collective_seconds[rank] += collective
             self.rank_resident_bytes[rank] = resident
+        # each stage's first rank has its layers' counts (every EP rank routes every token)
+        self.last_expert_counts = torch.cat([torch.from_numpy(loads[coords_rank(self.pconfig, {"pp": s})]["counts"])
+                                             for s in range(self.pconfig.pp)])
+        self.eplb_bytes_moved += sum(load["moved"] for load in loads)
+        self._steps += 1
         self.restarts_in_a_row = 0
         return CausalLMOutput(logits=logits, finite=finite)
 
@@ -298,7 +328,7 @@ class ParallelRunner(ModelRunner):
         self.restarts += 1
         self.restarts_in_a_row += 1
         self.group = WorkerGroup(self.pconfig, self.model.config, self.stages, weights_bytes(self.model),
-                                 self.threads).start()
+                                 self.threads, self._placement()).start()
 
     def close(self) -> None:
         self.group.close()

@@ -43,6 +43,8 @@ from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.parallel.comm import Comm, CollectiveError
 from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.eplb_load import moe_layers
+from latentmoe_lab.parallel.eplb_serving import ExpertSlots, ReplicatedDispatcher
 from latentmoe_lab.parallel.expert import AllToAllDispatcher, ParallelMoE, expert_range
 from latentmoe_lab.parallel.mesh import ProcessMesh, coords_rank
 from latentmoe_lab.parallel.sequence import SequenceLayout
@@ -128,19 +130,23 @@ def broadcast_message(rank: int, message: tuple | None) -> tuple[dict, torch.Ten
 
 
 # ------------------------------------------------------------------ this rank's shard
-def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm, layers: range) -> LatentMoEForCausalLM:
+def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm, layers: range,
+                      placement: torch.Tensor | None = None) -> LatentMoEForCausalLM:
     """Cut `model` (this process's own copy) in place to this rank's PP stage (`layers`) and TP/EP shard.
 
     The blocks keep their forward: attention and dense / shared FFNs become sliced copies whose partial
     sums TensorParallel completes; each MoE keeps its experts behind the All-to-All dispatcher. The model's
-    config becomes local_config(config, tp), the head counts its pools are shaped for.
+    config becomes local_config(config, tp), the head counts its pools are shaped for. With `placement`
+    [MoE layers, P] (EPLB, parallel/eplb_serving.py) each MoE holds its rank's P / ep slots instead, and
+    `model.expert_slots` maps the MoE layer position to its ExpertSlots.
     """
     pconfig, config, mesh = comm.mesh.pconfig, model.config, comm.mesh
     tp, tp_index, whole = pconfig.tp, mesh.index("tp"), SequenceLayout()
     experts = expert_range(config.moe.num_experts, pconfig.ep, mesh.index("ep"))
     if pconfig.pp > 1:
         keep_stage(model, layers, mesh.is_first_stage, mesh.is_last_stage)
-    for block in model.layers:
+    model.expert_slots = {}
+    for index, block in zip(layers, model.layers):
         if tp > 1:
             attn = (shard_kda if block.attention_type == KDA else shard_dsa)(block.attn, config, tp_index, tp)
             block.attn = TensorParallel(attn, comm, whole, "tp.attn")
@@ -149,11 +155,17 @@ def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm, layers: range) ->
                 block.ffn = TensorParallel(shard_swiglu(block.ffn, tp_index, tp), comm, whole, "tp.dense")
             continue
         layer = block.ffn
-        layer.experts = shard_experts(layer.experts, experts.start, len(experts), tp_index, tp)
+        if placement is None:
+            layer.experts = shard_experts(layer.experts, experts.start, len(experts), tp_index, tp)
+            dispatcher = AllToAllDispatcher(comm, config.moe.num_experts)
+        else:
+            position = sum(config.is_moe_layer(i) for i in range(index))
+            slots = ExpertSlots(layer.experts, placement[position], mesh.index("ep"), pconfig.ep, tp_index, tp)
+            layer.experts, dispatcher = slots.experts, ReplicatedDispatcher(comm, slots)
+            model.expert_slots[position] = slots
         if layer.shared is not None and tp > 1:
             layer.shared = TensorParallel(shard_swiglu(layer.shared, tp_index, tp), comm, whole, "tp.moe_shared")
-        block.ffn = ParallelMoE(layer, AllToAllDispatcher(comm, config.moe.num_experts), comm, whole,
-                                pconfig.overlap)
+        block.ffn = ParallelMoE(layer, dispatcher, comm, whole, pconfig.overlap)
     model.config = local_config(config, tp)
     return model
 
@@ -170,8 +182,10 @@ def load_weights(config: ModelConfig, weights: bytes) -> LatentMoEForCausalLM:
 
 # ------------------------------------------------------------------ the process
 def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: ModelConfig,
-               stages: list[ServingStage], weights: bytes, conn, heartbeat_s: float, threads: int) -> None:
-    """The body of one worker process (module level, so the forkserver can start it)."""
+               stages: list[ServingStage], weights: bytes, conn, heartbeat_s: float, threads: int,
+               placement: torch.Tensor | None = None) -> None:
+    """The body of one worker process (module level, so the forkserver can start it); placement: EPLB's
+    initial [MoE layers, P] (None: one slot per expert)."""
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on the loopback interface only
         torch.set_num_threads(threads)
@@ -185,7 +199,7 @@ def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: Mode
         stage = stages[comm.mesh.index("pp")]
         model = load_weights(config, weights)
         if pconfig.world_size > 1:  # a lone forward process (parallel.forward_process) keeps the whole model
-            model = shard_for_serving(model, comm, stage.layers)
+            model = shard_for_serving(model, comm, stage.layers, placement)
         pools = allocate_pools(stage.plan.config, stage.plan)
         conn.send(("ready", os.getpid(), sum(pools.nbytes().values())))
         _serve(rank, StageForward(model, comm, stage.layers, config), pools, comm, conn, heartbeat_s)
@@ -217,6 +231,10 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
             continue
         for src, dst in header["copies"]:
             pools.copy_slot(src, dst)
+        slots = getattr(forward.model, "expert_slots", {})
+        # EPLB migration before the forward, the same layers on every rank (the header is broadcast)
+        moved = sum(slots[layer].migrate(torch.tensor(row)) for layer, row in header.get("eplb", {}).items()
+                    if layer in slots)
         batch = unpack_batch(header, flat, features)
         start = time.perf_counter()
         output = forward(batch, pools)  # None on a pipeline stage before the last
@@ -224,7 +242,13 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
         comm.timeline.clear()
         # every rank's own seconds, for its rank="r" series, and its resident memory (a soak watches it)
         seconds = (time.perf_counter() - start, collective, resident_bytes())
+        # routed tokens per logical expert of this stage's MoE layers [L_stage, E] (every EP rank routes every
+        # token, so any rank's are the stage's), and the bytes this step's migration copied here
+        counts = [m.last_expert_counts for m in moe_layers(forward.model)]
+        load = {"counts": (torch.stack(counts) if counts
+                           else torch.zeros(0, forward.config.moe.num_experts, dtype=torch.int64)).numpy(),
+                "moved": moved}
         if rank == answer_rank(comm.mesh.pconfig):
-            conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds))
+            conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds, load))
         else:
-            conn.send(("seconds", seconds))
+            conn.send(("seconds", seconds, load))

@@ -32,6 +32,7 @@ from latentmoe_lab.checkpoint import save_checkpoint
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder
 from latentmoe_lab.training import state as trainer_state
 from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
 from latentmoe_lab.training.guard import replay_with_guard
@@ -115,7 +116,8 @@ class TrainSettings:
 @dataclass
 class History:
     """What trainer_state.json holds. eval rows are [step, held-out loss (nats), bits per byte];
-    expert_load rows are [step, max/mean tokens per expert for each MoE layer]."""
+    expert_load rows are [step, max/mean tokens per expert for each MoE layer]; expert_window is the tokens
+    per [MoE layer][expert] over the last eval_every steps (the load balancer's input, parallel/eplb.py)."""
 
     step: int = 0
     train_loss: list[float] = field(default_factory=list)
@@ -123,6 +125,7 @@ class History:
     tokens_seen: int = 0
     seconds: float = 0.0
     expert_load: list[list] = field(default_factory=list)
+    expert_window: list[list[int]] = field(default_factory=list)
     sample: str = ""
 
 
@@ -192,6 +195,7 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         resume_into(model, optimizer, scheduler, settings, point)
         history = history_from(History, point)
     moe_layers = _moe_layers(model)
+    load_recorder = ExpertLoadRecorder(len(moe_layers), config.moe.num_experts, settings.eval_every)
     # Only the model is prepared: accelerate's scheduler wrapper would step once per process.
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
@@ -216,6 +220,7 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         counts = accelerator.reduce(torch.stack([layer.last_expert_counts for layer in moe_layers]), "sum")
         for layer, layer_counts in zip(moe_layers, counts):
             layer.update_bias(layer_counts)
+        load_recorder.record(counts)
         loss = float(accelerator.reduce(output.loss.detach(), "mean"))
         history.step = step + 1
         history.train_loss.append(loss)
@@ -230,6 +235,7 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
             held_loss = evaluate(inner, held_rows, settings.eval_rows, accelerator)
             history.eval.append([step + 1, held_loss, held_loss / math.log(2)])
+            history.expert_window = load_recorder.window.tolist()
             if progress is not None:
                 progress.write(f"step {step + 1}: held-out loss {held_loss:.4f}, "
                                f"{held_loss / math.log(2):.3f} bits per byte")

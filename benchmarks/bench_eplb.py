@@ -1,0 +1,79 @@
+"""Expert-parallel load balancing at K3 scale on paper: balancedness, the busiest rank's step time, rebalance time.
+
+    .venv/bin/python benchmarks/bench_eplb.py            # 92 MoE layers x 896 experts, every workload
+    .venv/bin/python benchmarks/bench_eplb.py --quick    # 8 layers, two workloads: checks the harness
+
+For each of the six imbalance workloads (latentmoe_lab/workloads.py: 4096 tokens, top-16, the expert ids
+shuffled per layer so the hot experts differ between layers), the k3-2.8t preset on H200-141GB serving
+SERVE_128K at EP64 (8 nodes of 8):
+
+    none      the layout without a balancer: expert e on rank e // 14
+    R = 0     rebalance_experts with no redundant slot (balanced packing alone)
+    R = 64    one redundant slot per rank; R = 128 two
+
+balancedness = mean / max tokens per rank, per layer, averaged over the 92 layers (parallel/eplb_load.py);
+the step times are the planner's for the busiest EP rank of every layer (parallel/eplb_plan.py: its experts
+get max / mean x the average routed pairs) with the fullest rank's expert slots in memory. 896 + 32 slots
+do not split evenly over 64 ranks (rebalance_experts refuses num_replicas=928 for 64 ranks), so R = 32 runs
+at EP32 and the EP64 + 32 memory row is the planner's (15 slots on the fullest rank). Rebalance time is
+one rebalance_experts call over the whole table, divided by the layers. Results: stdout and bench_eplb.json.
+"""
+from __future__ import annotations
+
+import sys
+
+from common import apply_threads, machine_info, make_parser, write_json
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.meta import format_bytes
+from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.eplb_plan import plan_placement, workload_loads
+from latentmoe_lab.parallel.hardware import HARDWARE, SERVE_128K
+from latentmoe_lab.parallel.planner import plan_layout
+from latentmoe_lab.workloads import WORKLOADS
+
+VARIANTS = [(64, None), (64, 0), (64, 64), (64, 128), (32, None), (32, 32)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = make_parser(__doc__, default_threads=1)
+    args = parser.parse_args(argv)
+    apply_threads(args)
+    config = ModelConfig.from_preset("k3-2.8t")
+    hardware = HARDWARE["H200-141GB"]
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    layers = 8 if args.quick else moe_layers
+    names = ["one_hot_expert", "same_topk"] if args.quick else list(WORKLOADS)
+    if args.quick:  # a shallower model: the planner and the loads shrink together
+        depth = layers + config.first_dense_layers
+        config = ModelConfig.from_dict(config.to_dict() | {"num_layers": depth,
+                                                           "layer_types": list(config.layer_types[:depth])})
+    rows = []
+    print(f"{'workload':<18}{'layout':>8}{'R':>6}{'balanced':>10}{'imbal.':>8}{'prefill s':>11}{'decode ms':>11}"
+          f"{'weights/rank':>14}{'rebalance ms/layer':>20}")
+    for name in names:
+        weight = workload_loads(name, layers, config.moe.num_experts, config.moe.top_k, num_tokens=4096)
+        for ep, redundant in VARIANTS:
+            study = plan_placement(config, ParallelConfig(ep=ep), hardware, SERVE_128K, weight, redundant)
+            times = study.plan.times
+            row = dict(workload=name, ep=ep, redundant=redundant, balancedness=study.balancedness,
+                       imbalance=study.imbalance, prefill_s=times["prefill"]["sequential"],
+                       decode_ms=times["decode"]["sequential"] * 1e3, weights_bytes=study.plan.memory.weights,
+                       rebalance_ms_per_layer=study.rebalance_seconds / layers * 1e3)
+            rows.append(row)
+            print(f"{name:<18}{'EP' + str(ep):>8}{'none' if redundant is None else redundant:>6}"
+                  f"{row['balancedness']:>10.3f}{row['imbalance']:>8.2f}{row['prefill_s']:>11.3f}"
+                  f"{row['decode_ms']:>11.2f}{format_bytes(row['weights_bytes']):>14}"
+                  f"{row['rebalance_ms_per_layer']:>20.2f}")
+    memory = {str(r): plan_layout(config, ParallelConfig(ep=64), hardware, SERVE_128K,
+                                  redundant_experts=r).memory.weights for r in (0, 32, 64)}
+    print("weights per rank at EP64, by redundant slots: "
+          + ", ".join(f"R={r}: {format_bytes(b)}" for r, b in memory.items()))
+    result = machine_info(preset="k3-2.8t", layers=layers, hardware=hardware.name, rows=rows,
+                          ep64_weights_bytes_by_redundant=memory, quick=args.quick)
+    print(f"wrote {write_json(__file__, result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
