@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from latentmoe_lab.checkpoint_checks import (CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SHARD_RE, WEIGHTS_NAME,
                                              check_checkpoint, checked_files, resolve_checkpoint_dir)
-from latentmoe_lab.checkpoint_dir import check_output_dir, make_temporary, swap_in
+from latentmoe_lab.checkpoint_dir import check_output_dir, swap_in, writing_temporary
 from latentmoe_lab.checkpoint_integrity import CHECKSUMS_NAME, write_checksums
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.tokenizer_files import write_tokenizer_files
@@ -101,28 +101,28 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_size: in
     for name in list(extra_tensors or {}) + list(extra_json or {}):
         if "/" in name or name.startswith(".") or _is_checkpoint_file(name) or name.endswith(PICKLE_SUFFIXES):
             raise ValueError(f"extra file {name!r}: must be a plain file name, not a weights / pickle name")
-    tmp = make_temporary(path)
-    write_tokenizer_files(tmp, config.max_position_embeddings)
-    (tmp / CONFIG_NAME).write_text(json.dumps({**config.to_dict(), **(config_fields or {})}, indent=2))
-    shards = shard_state_dict(checkpoint_state_dict(model), limit)
-    if len(shards) == 1:
-        save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    else:
-        weight_map, total = {}, 0
-        for k, shard in enumerate(shards, start=1):
-            file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / file), metadata={"format": "pt"})
-            for name, tensor in shard.items():
-                weight_map[name] = file
-                total += tensor.numel() * tensor.element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
-    for file, tensors in (extra_tensors or {}).items():
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / file))
-    for file, obj in (extra_json or {}).items():
-        (tmp / file).write_text(json.dumps(obj))
-    write_checksums(tmp, [p.name for p in tmp.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_NAME])
-    swap_in(tmp, path, carried_over=lambda name: not _is_checkpoint_file(name))
+    with writing_temporary(path) as tmp:
+        write_tokenizer_files(tmp, config.max_position_embeddings)
+        (tmp / CONFIG_NAME).write_text(json.dumps({**config.to_dict(), **(config_fields or {})}, indent=2))
+        shards = shard_state_dict(checkpoint_state_dict(model), limit)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for k, shard in enumerate(shards, start=1):
+                file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / file), metadata={"format": "pt"})
+                for name, tensor in shard.items():
+                    weight_map[name] = file
+                    total += tensor.numel() * tensor.element_size()
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        for file, tensors in (extra_tensors or {}).items():
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / file))
+        for file, obj in (extra_json or {}).items():
+            (tmp / file).write_text(json.dumps(obj))
+        write_checksums(tmp, [p.name for p in tmp.iterdir() if p.suffix == ".safetensors" or p.name == INDEX_NAME])
+        swap_in(tmp, path, carried_over=lambda name: not _is_checkpoint_file(name))
     return path
 
 

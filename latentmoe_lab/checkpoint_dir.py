@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,18 @@ def make_temporary(path: Path, pid: int | None = None) -> Path:
     return tmp
 
 
+@contextmanager
+def writing_temporary(path: Path):
+    """make_temporary(path) for the body to fill (and swap in); removed again if the body raises, so a
+    failed save leaves nothing behind (a killed one is left to remove_stale_temporaries)."""
+    tmp = make_temporary(path)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def remove_stale_temporaries(path: Path) -> None:
     """Delete the temporaries of killed saves of `path`: marked by us, and their process no longer exists."""
     for entry in path.parent.glob(f".{path.name}{TEMPORARY_TAG}*"):
@@ -154,13 +167,19 @@ def swap_in(tmp: Path, path: Path, carried_over: Callable[[str], bool] | None = 
             for entry in path.iterdir():
                 if carried_over(entry.name) and not (tmp / entry.name).exists():
                     os.rename(entry, tmp / entry.name)
-        if previous.exists():
-            shutil.rmtree(previous)
+        _remove(previous)
         os.rename(path, previous)
     os.rename(tmp, path)
     _fsync_dir(path.parent)
     (path / MARKER_NAME).unlink(missing_ok=True)
-    if previous.exists():
+    _remove(previous)
+
+
+def _remove(previous: Path) -> None:
+    """Delete DIR.previous (check_output_dir made sure it is ours), or the link a linked DIR left there."""
+    if previous.is_symlink():
+        previous.unlink()
+    elif previous.exists():
         shutil.rmtree(previous)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from latentmoe_lab import cli
+from latentmoe_lab.checkpoint import save_checkpoint
 from latentmoe_lab.checkpoint_dir import MARKER_NAME
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.native.build import NativeModel
@@ -124,6 +125,9 @@ def test_temporaries_are_ours_by_marker_and_user_directories_survive(tmp_path, t
     model.save_pretrained(path)
     assert not ours.exists() and (user_dir / "keep.txt").exists() and (old_style / "keep.txt").exists()
     assert (path / "README.md").read_text() == "mine" and not (path / MARKER_NAME).exists()
+    with pytest.raises(TypeError):  # a save that fails part way removes its temporary
+        save_checkpoint(model, path, extra_json={"note.json": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c", user_dir.name, old_style.name])
     foreign_previous = tmp_path / "c.previous"
     foreign_previous.mkdir()
     (foreign_previous / "thesis.tex").write_text("years of work")

@@ -49,7 +49,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from latentmoe_lab.checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, parse_size, shard_state_dict
-from latentmoe_lab.checkpoint_dir import MARKER_NAME, check_output_dir, make_temporary, swap_in, temporary_path
+from latentmoe_lab.checkpoint_dir import (MARKER_NAME, check_output_dir, make_temporary, swap_in, temporary_path,
+                                          writing_temporary)
 from latentmoe_lab.checkpoint_integrity import file_sha256, read_json_file, write_checksums
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.native.build import NativeModel, load_local_shards
@@ -247,20 +248,20 @@ def export_safetensors(directory: str | Path, out_dir: str | Path, max_shard_siz
     if config.tie_word_embeddings:
         skeleton.pop("lm_head.weight", None)  # stored once, as the embedding (see checkpoint_state_dict)
     shards = shard_state_dict(skeleton, parse_size(max_shard_size))
-    tmp = make_temporary(out_dir)
-    (tmp / CONFIG_NAME).write_text(config.to_json())
-    weight_map, total = {}, 0
-    for k, shard in enumerate(shards, start=1):
-        tensors = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shard.items()}
-        _read(tensors, directory / MODEL_DIR, distributed=False)
-        file = WEIGHTS_NAME if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    if len(shards) > 1:
-        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2))
-    write_checksums(tmp, [p.name for p in tmp.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_NAME])
-    swap_in(tmp, out_dir)
+    with writing_temporary(out_dir) as tmp:
+        (tmp / CONFIG_NAME).write_text(config.to_json())
+        weight_map, total = {}, 0
+        for k, shard in enumerate(shards, start=1):
+            tensors = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shard.items()}
+            _read(tensors, directory / MODEL_DIR, distributed=False)
+            file = WEIGHTS_NAME if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        write_checksums(tmp, [p.name for p in tmp.iterdir() if p.suffix == ".safetensors" or p.name == INDEX_NAME])
+        swap_in(tmp, out_dir)
     return out_dir
 
