@@ -23,3 +23,11 @@ def test_ops_bad_flags_are_one_line_errors(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["ops", *flags])
         assert exit_info.value.code == 2
+
+
+def test_align_takes_the_simulated_device_profiles_as_candidates(tmp_path, capsys):
+    report = tmp_path / "sim.html"
+    assert main(["align", "--preset", "tiny", "--candidate", "sim-bf16-accum-fp32", "--batch", "1", "--seq-len", "16",
+                 "--threshold", "rel_l2=0.001", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "first divergence: layers.0.attn" in out and report.exists()

@@ -28,7 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from latentmoe_lab.config import PRESETS
     from latentmoe_lab.quant.recipes import RECIPES
 
-    candidates = (*_DTYPES, "triton", *LAYOUTS, *ENGINES, *RECIPES)
+    from latentmoe_lab.porting.op_table import PROFILES
+
+    candidates = (*_DTYPES, "triton", *LAYOUTS, *ENGINES, *RECIPES, *(f"sim-{p}" for p in PROFILES))
     parser = subparsers.add_parser(
         "align", help="compare a candidate (dtype, backend, parallel layout) with the reference, tap by tap",
         description="Run the reference model and a candidate built from it on the same tokens, record every "
@@ -131,6 +133,10 @@ def build_candidate(name: str, reference, calibration: torch.Tensor):
 
     if name in _DTYPES:
         return cast_candidate(reference, _DTYPES[name])
+    if name.startswith("sim-"):  # the simulated accelerator with a numerics profile (docs/design.md §16)
+        from latentmoe_lab.porting.sim_device import SimDeviceCandidate
+
+        return SimDeviceCandidate(reference, name.removeprefix("sim-"))
     if name == "triton":
         _prepare_triton()
         return BackendCandidate(reference, "triton")
