@@ -114,6 +114,8 @@ def test_gradients_equal_the_reference_twins():
                          _grads([sparse_attention(sq, sk, sv, indices, scale)], [sq, sk, sv])):
         torch.testing.assert_close(got, want)
     assert set(TRAINING_OPS) <= set(OPS)
+    with pytest.raises(ValueError, match="initial_state: latentmoe.kda_chunk gives it no gradient"):
+        OPS["kda_chunk"](q, k, v, g, beta, torch.zeros(1, 2, 4, 4, requires_grad=True), 0.5, 4)
 
 
 def test_use_custom_ops_leaves_generate_and_training_unchanged(model):

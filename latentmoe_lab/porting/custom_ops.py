@@ -198,7 +198,13 @@ def _make_vjp(op, reference, differentiable: tuple[int, ...], float_outputs: tup
     vjp = torch.library.custom_op(f"{NAMESPACE}::{name}_vjp", backward_impl, mutates_args=(), schema=schema)
     vjp.register_fake(lambda *args: [torch.empty_like(args[i]) for i in differentiable])
 
+    names = [argument.name for argument in op._opoverload._schema.arguments]
+
     def setup_context(ctx, inputs, output):
+        for i, value in enumerate(inputs):  # a gradient that would silently be dropped is refused instead
+            if i not in differentiable and isinstance(value, torch.Tensor) and value.requires_grad:
+                raise ValueError(f"{names[i]}: latentmoe.{name} gives it no gradient; pass it detached "
+                                 f"(the differentiable inputs are {[names[j] for j in differentiable]})")
         ctx.inputs = inputs  # tensors and scalars as called (the backward recomputes from them)
 
     def backward(ctx, *output_grads):
