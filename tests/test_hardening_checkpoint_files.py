@@ -63,10 +63,11 @@ def test_save_pretrained_refuses_every_path_that_would_touch_user_files(scratch,
     assert snapshot(scratch.parent.parent) == before
 
 
-def test_quantize_cli_refuses_out_before_loading_anything(scratch, capsys, monkeypatch):
+def test_quantize_cli_refuses_out_before_loading_anything(scratch, capsys, monkeypatch, tiny_config):
     import latentmoe_lab.training.corpus as corpus
 
     monkeypatch.setattr(corpus, "load_corpus", lambda *a, **k: pytest.fail("the corpus was loaded"))
+    save_quantized(quantize_model(LatentMoEForCausalLM(tiny_config), "fp8-experts", progress=False), "q")
     before = snapshot(scratch.parent.parent)
     for out in FORBIDDEN + ["ckpt", str(scratch / "ckpt")]:  # the last two: --out is the source (D2)
         out = out.format(cwd=scratch, parent=scratch.parent)
@@ -75,6 +76,12 @@ def test_quantize_cli_refuses_out_before_loading_anything(scratch, capsys, monke
         assert message.count("\n") == 1 and "--out" in message, message
     assert cli.main(["quantize", "--checkpoint", "missing", "--recipe", "fp8-experts", "--out", "new"]) == 2
     assert "--checkpoint: no checkpoint directory at missing" in capsys.readouterr().err
+    assert cli.main(["quantize", "--checkpoint", "q", "--recipe", "fp8-experts", "--out", "new"]) == 2
+    assert "--checkpoint: q is already quantized" in capsys.readouterr().err
+    (scratch / "ckpt" / "model.safetensors").write_bytes(b"\x80\x04 not a safetensors file")
+    assert cli.main(["quantize", "--checkpoint", "ckpt", "--recipe", "fp8-experts", "--out", "new"]) == 2
+    assert "ckpt/model.safetensors: not a safetensors file" in capsys.readouterr().err
+    before["outer/scratch/ckpt/model.safetensors"] = (scratch / "ckpt" / "model.safetensors").read_bytes()
     assert snapshot(scratch.parent.parent) == before  # nothing moved, nothing leaked (no temporary either)
 
 

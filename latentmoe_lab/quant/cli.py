@@ -58,11 +58,12 @@ def held_out_rows(args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from latentmoe_lab.checkpoint_checks import checked_files, resolve_checkpoint_dir
+    from latentmoe_lab.checkpoint_checks import CONFIG_NAME, checked_files, resolve_checkpoint_dir
     from latentmoe_lab.checkpoint_dir import check_output_dir
+    from latentmoe_lab.checkpoint_integrity import read_json_file
     from latentmoe_lab.meta import format_bytes, recipe_bytes
     from latentmoe_lab.model import LatentMoEForCausalLM
-    from latentmoe_lab.quant.checkpoint import save_quantized
+    from latentmoe_lab.quant.checkpoint import QUANT_KEY, save_quantized
     from latentmoe_lab.quant.quantize import quantize_model
     from latentmoe_lab.quant.report import bits_per_byte, byte_table, held_bytes_by_component, top1_agreement
 
@@ -71,6 +72,9 @@ def run_quantize(args: argparse.Namespace) -> int:
     source = resolve_checkpoint_dir(args.checkpoint, name="--checkpoint")
     check_output_dir(args.out, sources=(args.checkpoint, source), name="--out")
     checked_files(source)
+    if QUANT_KEY in read_json_file(source / CONFIG_NAME):
+        raise ValueError(f"--checkpoint: {args.checkpoint} is already quantized ({QUANT_KEY} in its {CONFIG_NAME}); "
+                         f"quantize the plain checkpoint it came from")
     eval_rows, calib_rows = held_out_rows(args)
     model = LatentMoEForCausalLM.from_pretrained(source).eval()
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.embed_tokens.weight.dtype]
