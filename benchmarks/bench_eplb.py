@@ -16,7 +16,15 @@ the step times are the planner's for the busiest EP rank of every layer (paralle
 get max / mean x the average routed pairs) with the fullest rank's expert slots in memory. 896 + 32 slots
 do not split evenly over 64 ranks (rebalance_experts refuses num_replicas=928 for 64 ranks), so R = 32 runs
 at EP32 and the EP64 + 32 memory row is the planner's (15 slots on the fullest rank). Rebalance time is
-one rebalance_experts call over the whole table, divided by the layers. Results: stdout and bench_eplb.json.
+one rebalance_experts call over the whole table, divided by the layers.
+
+Measured on CPU workers (tiny preset, EP2 with 2 redundant slots and EP4 with 4; EP2 alone with --quick):
+the routing bias of experts 0 and 4 is raised by 0.5 in every MoE layer, so they draw most tokens (the
+initial placement, balanced for equal loads, puts both on rank 0 at EP2 and EP4). One
+engine with eplb enabled (no rebalance on its own) serves the prompts, then rebalances at the next step
+(every layer at once) and serves the same prompts again: per phase the (token, expert) pairs each rank's
+experts computed (max, and mean / max) and the mean engine step time, and whether the greedy tokens of
+the two phases agree. Results: stdout and bench_eplb.json.
 """
 from __future__ import annotations
 
@@ -24,7 +32,12 @@ import sys
 
 from common import apply_threads, machine_info, make_parser, write_json
 
+import torch
+
 from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.parallel.eplb_load import moe_layers
+from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.eplb_plan import plan_placement, workload_loads
@@ -33,6 +46,39 @@ from latentmoe_lab.parallel.planner import plan_layout
 from latentmoe_lab.workloads import WORKLOADS
 
 VARIANTS = [(64, None), (64, 0), (64, 64), (64, 128), (32, None), (32, 32)]
+
+
+def measure_workers(ep: int, redundant: int, num_prompts: int) -> dict:
+    """Per-rank expert pairs and step time of one EP engine before and after a rebalance (module docstring)."""
+    torch.manual_seed(0)
+    model = LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
+    for layer in moe_layers(model):
+        layer.correction_bias[[0, 4]] = 0.5  # selection only: experts 0 and 4 win most top-2 choices
+    service = {"model": {"preset": "tiny", "max_model_len": 256},
+               "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000},
+               "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32},
+               "parallel": {"expert_parallel_size": ep},
+               "eplb": {"enabled": True, "num_redundant_experts": redundant, "window_steps": 1000,
+                        "rebalance_interval_steps": 10**9, "layers_per_step": len(moe_layers(model))}}
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(20 + 5 * i)] for i in range(num_prompts)]
+    params = SamplingParams(max_tokens=8)
+    engine = Engine(model, ServiceConfig.from_dict(service))
+    phases, tokens = {}, []
+    try:
+        for phase in ("before", "after"):
+            if phase == "after":
+                engine.balancer.rebalance_next_step()
+            pairs_start, steps_start = list(engine.runner.rank_expert_pairs), len(engine.log.steps)
+            tokens.append([o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
+            pairs = [b - a for a, b in zip(pairs_start, engine.runner.rank_expert_pairs)]
+            steps = list(engine.log.steps)[steps_start:]
+            phases[phase] = {"pairs_per_rank": pairs, "max_pairs": max(pairs),
+                             "balancedness": sum(pairs) / len(pairs) / max(pairs),
+                             "step_ms": 1e3 * sum(s.duration for s in steps) / len(steps)}
+    finally:
+        engine.close()
+    return {"ep": ep, "redundant": redundant, **phases, "greedy_tokens_equal": tokens[0] == tokens[1],
+            "bytes_moved": engine.stats()["eplb_bytes_moved"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,8 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
                                   redundant_experts=r).memory.weights for r in (0, 32, 64)}
     print("weights per rank at EP64, by redundant slots: "
           + ", ".join(f"R={r}: {format_bytes(b)}" for r, b in memory.items()))
+    workers = [measure_workers(ep, redundant, 4 if args.quick else 8)
+               for ep, redundant in ([(2, 2)] if args.quick else [(2, 2), (4, 4)])]
+    for w in workers:
+        print(f"EP{w['ep']} + {w['redundant']} redundant on CPU workers: "
+              + "; ".join(f"{phase}: max pairs/rank {w[phase]['max_pairs']}, balancedness "
+                          f"{w[phase]['balancedness']:.3f}, step {w[phase]['step_ms']:.1f} ms"
+                          for phase in ("before", "after"))
+              + f"; greedy tokens equal: {w['greedy_tokens_equal']}, moved {w['bytes_moved']} B")
     result = machine_info(preset="k3-2.8t", layers=layers, hardware=hardware.name, rows=rows,
-                          ep64_weights_bytes_by_redundant=memory, quick=args.quick)
+                          ep64_weights_bytes_by_redundant=memory, workers=workers, quick=args.quick)
     print(f"wrote {write_json(__file__, result)}")
     return result
 

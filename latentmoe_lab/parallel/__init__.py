@@ -14,8 +14,13 @@
     traffic.py    the byte model of every collective (exact with routing, expected without)
     hardware.py, planner.py, roofline.py   full-scale memory / traffic / step-time plans
     offload.py    accelerate device maps, disk offload of cold experts, ExpertCache
+    eplb.py       rebalance_experts: redundant expert slots and a balanced placement (docs/design.md §14);
+                  eplb_load.py (per-rank load, balancedness, ExpertLoadRecorder), eplb_plan.py (on paper),
+                  eplb_serving.py (replica choice, slot migration, OnlineBalancer for the EP workers)
 """
 from latentmoe_lab.parallel.config import MESH_DIMS, ParallelConfig
+from latentmoe_lab.parallel.eplb import rebalance_experts
+from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder, balance_metrics, rank_loads
 from latentmoe_lab.parallel.hardware import HARDWARE, SERVE_128K, TRAIN_8K, Hardware, Workload
 from latentmoe_lab.parallel.launch import RankFailure, launch
 from latentmoe_lab.parallel.planner import EXAMPLE_LAYOUTS, LayoutPlan, plan_examples, plan_layout, plan_table
@@ -23,4 +28,5 @@ from latentmoe_lab.parallel.runs import LayoutReport, RunSettings, run_layouts
 
 __all__ = ["MESH_DIMS", "ParallelConfig", "HARDWARE", "SERVE_128K", "TRAIN_8K", "Hardware", "Workload",
            "RankFailure", "launch", "EXAMPLE_LAYOUTS", "LayoutPlan", "plan_examples", "plan_layout", "plan_table",
-           "LayoutReport", "RunSettings", "run_layouts"]
+           "LayoutReport", "RunSettings", "run_layouts", "rebalance_experts", "ExpertLoadRecorder", "balance_metrics",
+           "rank_loads"]

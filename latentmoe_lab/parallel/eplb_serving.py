@@ -134,6 +134,7 @@ class OnlineBalancer:
         self.pending: list[tuple[int, torch.Tensor]] = []
         self.rebalances = 0
         self.slots_moved = 0  # slots handed a different expert so far: the planned copies
+        self._due = False
 
     def _balance(self, window: torch.Tensor) -> torch.Tensor:
         return rebalance_experts(window, self.num_slots, self.num_groups, 1, self.ep)[0]
@@ -142,8 +143,13 @@ class OnlineBalancer:
         """(phy2log [L, P], logcnt [L, E]) of what the workers hold."""
         return self.placement, torch.stack([torch.bincount(row, minlength=self.num_experts) for row in self.placement])
 
+    def rebalance_next_step(self) -> None:
+        """Rebalance at the next step whatever the interval (an operator's or a benchmark's trigger)."""
+        self._due = True
+
     def updates(self, window: torch.Tensor, step: int) -> dict[int, list[int]]:
-        if step > 0 and step % self.interval_steps == 0 and not self.pending:
+        if (self._due or (step > 0 and step % self.interval_steps == 0)) and not self.pending:
+            self._due = False
             target = self._balance(window)
             self.pending = [(layer, target[layer]) for layer in range(len(target))
                             if not torch.equal(target[layer], self.placement[layer])]

@@ -264,6 +264,7 @@ class ParallelRunner(ModelRunner):
         # placement updates with the steps; eplb_bytes_moved sums what their migrations copied
         self.balancer, self.recorder = balancer, recorder
         self.eplb_bytes_moved = 0
+        self.rank_expert_pairs = [0] * pconfig.world_size  # (token, expert) pairs each rank's experts computed
         self.last_expert_counts: torch.Tensor | None = None  # [MoE layers, E] of the last step
         self._steps = 0
         self.restarts = 0
@@ -317,6 +318,7 @@ class ParallelRunner(ModelRunner):
         self.last_expert_counts = torch.cat([torch.from_numpy(loads[coords_rank(self.pconfig, {"pp": s})]["counts"])
                                              for s in range(self.pconfig.pp)])
         self.eplb_bytes_moved += sum(load["moved"] for load in loads)
+        self.rank_expert_pairs = [load["pairs"] for load in loads]  # since the group started
         self._steps += 1
         self.restarts_in_a_row = 0
         return CausalLMOutput(logits=logits, finite=finite)

@@ -9,7 +9,8 @@ the next step). parallel_runner.WorkerGroup starts pp * tp * ep of them; each
     loads     the full weights from safetensors bytes and cuts its part: its stage's layers (with the
               embedding on the first stage, the final norm and LM head on the last, pipeline_stage.py),
               then the way parallel/sharded.py does: heads and FFN widths sliced (parallel/tensor.py),
-              experts [r*E/ep, (r+1)*E/ep) behind the All-to-All dispatcher (parallel/expert.py); its
+              experts [r*E/ep, (r+1)*E/ep) behind the All-to-All dispatcher (parallel/expert.py), or with
+              EPLB its P/ep expert slots behind the replica-choosing one (parallel/eplb_serving.py); its
               config then carries heads / tp
     allocates PagedPools of its stage's plan (its layers, local heads): KDA state [rows, H/tp, d_k, d_v];
               the DSA latent and indexer keys are replicated, so the block pools are whole on every rank
@@ -243,11 +244,13 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
         # every rank's own seconds, for its rank="r" series, and its resident memory (a soak watches it)
         seconds = (time.perf_counter() - start, collective, resident_bytes())
         # routed tokens per logical expert of this stage's MoE layers [L_stage, E] (every EP rank routes every
-        # token, so any rank's are the stage's), and the bytes this step's migration copied here
+        # token, so any rank's are the stage's), the bytes this step's migration copied here, and the
+        # (token, expert) pairs this rank's experts computed since the group started
         counts = [m.last_expert_counts for m in moe_layers(forward.model)]
         load = {"counts": (torch.stack(counts) if counts
                            else torch.zeros(0, forward.config.moe.num_experts, dtype=torch.int64)).numpy(),
-                "moved": moved}
+                "moved": moved, "pairs": sum(int(m.dispatcher.stats.expert_pairs.sum())
+                                             for m in forward.model.modules() if isinstance(m, ParallelMoE))}
         if rank == answer_rank(comm.mesh.pconfig):
             conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds, load))
         else:
