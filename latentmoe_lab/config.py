@@ -115,6 +115,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
+    mtp_depth: int = 0  # multi-token prediction depths (docs/design.md §12, mtp.py); 0 = no MTP head
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
@@ -173,7 +174,7 @@ class ModelConfig:
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                    name, f"must be a positive integer, got {describe(value)}")
         non_negative = {"first_dense_layers": self.first_dense_layers,
-                        "mla.qk_rope_head_dim": self.mla.qk_rope_head_dim,
+                        "mla.qk_rope_head_dim": self.mla.qk_rope_head_dim, "mtp_depth": self.mtp_depth,
                         "moe.num_shared_experts": self.moe.num_shared_experts}
         for name, value in non_negative.items():
             _check(isinstance(value, int) and value >= 0, name, f"must be an integer >= 0, got {describe(value)}")

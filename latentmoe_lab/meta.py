@@ -4,7 +4,8 @@ The model is built under accelerate's `init_empty_weights`, then every parameter
 assigned to a component by where it lives in the module tree. "Active" counts the
 parameters one token touches: everything except the embeddings, with routed experts
 scaled by top_k / num_experts (each token runs top_k of the E experts in a layer).
-The vision tower counts as active: it is dense, and every image token comes out of all of it.
+The vision tower counts as active: it is dense, and every image token comes out of all of it. The MTP head
+(config.mtp_depth) counts in total, not in active: a token of the main model does not run it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from accelerate import init_empty_weights
 from latentmoe_lab.config import ModelConfig
 
 COMPONENTS = ("embeddings", "kda", "mla", "indexer", "router", "latent_projection", "routed_experts",
-              "shared_experts", "dense_ffn", "norms", "vision")
+              "shared_experts", "dense_ffn", "norms", "vision", "mtp")
 
 # Bits per weight. MXFP4: 4-bit values plus one 8-bit shared scale per block of 32.
 # FP8: 8 bits plus one fp32 scale per 128x128 block.
@@ -37,6 +38,8 @@ def component_of(param_name: str, model) -> str:
         return "vision"
     if parts[0] in ("embed_tokens", "lm_head"):
         return "embeddings"
+    if parts[0] == "mtp":  # the multi-token prediction head (mtp.py): drafting and training only
+        return "mtp"
     if parts[0] == "norm" or parts[2] in ("attn_norm", "ffn_norm"):
         return "norms"
     block = model.layers[int(parts[1])]
@@ -68,7 +71,7 @@ def count_parameters(config: ModelConfig) -> dict:
         by_component[component]["total"] += param.numel()
         if component == "routed_experts":
             by_component[component]["active"] += round(param.numel() * active_fraction)
-        elif component != "embeddings":
+        elif component not in ("embeddings", "mtp"):
             by_component[component]["active"] += param.numel()
     total = sum(c["total"] for c in by_component.values())
     experts = by_component["routed_experts"]["total"]

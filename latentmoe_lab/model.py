@@ -28,6 +28,7 @@ from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import sequence_start_from_cu_seqlens
 from latentmoe_lab.layers.vision import VisionTower
+from latentmoe_lab.mtp import MultiTokenPredictor
 from latentmoe_lab.paged_pools import PagedPools
 from latentmoe_lab.padded import left_pad_rows, prompt_spans, split_images
 
@@ -45,14 +46,17 @@ class CausalLMOutput:
     finite: torch.Tensor | None = None  # [num_layers + 2] bool on the device, see finite.py
     loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None  # with labels and config.mtp_depth > 0: the MTP head's loss (mtp.py)
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, attention_type: str | None = None,
+                 moe: bool | None = None):
+        """attention_type / moe: None = from config for layer_idx (the MTP head's blocks set both, mtp.py)."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.attention_type = config.layer_types[layer_idx]
-        self.is_moe = config.is_moe_layer(layer_idx)
+        self.attention_type = config.layer_types[layer_idx] if attention_type is None else attention_type
+        self.is_moe = config.is_moe_layer(layer_idx) if moe is None else moe
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = KimiDeltaAttention(config) if self.attention_type == KDA else GatedDSA(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -86,6 +90,8 @@ class LatentMoEForCausalLM(nn.Module):
         else:
             nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
         self.vision = VisionTower(config) if config.vision is not None else None
+        # mtp_depth 0: no attribute in the state dict, the checkpoint of a model without the head
+        self.mtp = MultiTokenPredictor(config) if config.mtp_depth > 0 else None
 
     def new_cache(self) -> HybridCache:
         return HybridCache(self.config)
@@ -133,7 +139,8 @@ class LatentMoEForCausalLM(nn.Module):
         cu_seqlens [S + 1]: input_ids [1, total] packs S sequences back to back (0, l_0, l_0 + l_1, ..., total);
         no token attends to, or carries KDA state from, another sequence. Not with a cache.
         labels [B, T] int64, aligned with input_ids (shifted here: position t predicts labels[t + 1]); -100 is
-        ignored, and so is the first token of each packed sequence. Adds .loss and .aux_loss to the output.
+        ignored, and so is the first token of each packed sequence. Adds .loss and .aux_loss to the output,
+        and .mtp_loss when the model has an MTP head (config.mtp_depth > 0; depth k predicts labels[t + k + 1]).
         attention_mask [B, T]: real tokens. Right padding only (a pad after a row's tokens changes none of
         their logits); left-padded prompts go to generate, which runs each row alone (padded.py).
         A forward that does not finish (any exception, KeyboardInterrupt included) invalidates the cache.
@@ -171,14 +178,16 @@ class LatentMoEForCausalLM(nn.Module):
             raise
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
-        x = self.norm(x)
+        hidden, x = x, self.norm(x)
         finite.append(all_finite(x))
         logits = self.lm_head(x).float()
         finite = torch.stack(finite)
         if labels is None:
             return CausalLMOutput(logits=logits, cache=cache, finite=finite)
+        mtp_loss = None if self.mtp is None else self.mtp.loss(hidden, input_ids, labels, self.embed_tokens,
+                                                                 self.lm_head, sequence_start)
         return CausalLMOutput(logits=logits, cache=cache, loss=causal_lm_loss(logits, labels, sequence_start),
-                              aux_loss=self.router_losses(), finite=finite)
+                              aux_loss=self.router_losses(), finite=finite, mtp_loss=mtp_loss)
 
     def router_losses(self) -> torch.Tensor:
         """Scaled aux + z losses of the last forward, summed over the MoE layers (fp32 scalar)."""

@@ -15,7 +15,7 @@ from latentmoe_lab.training.resume import prepare_resume, read_trainer_json
 # their defaults for a fresh run; steps, batch, seq_len, lr and warmup default per preset. Left out, as
 # they belong to this session rather than to the run: --stop-at, --out, --nproc, --threads, the layout.
 FRESH_DEFAULTS = dict(preset="mini", eval_every=100, eval_rows=64, save_every=0, seed=0, corpus_root=None,
-                      held_out_fraction=0.02, sample_tokens=200, guard=True)
+                      held_out_fraction=0.02, sample_tokens=200, guard=True, mtp_depth=0, mtp_weight=0.3)
 INHERITED = (*FRESH_DEFAULTS, *PRESET_DEFAULTS["mini"])
 NO_FLAG = ("grad_clip", "weight_decay", "min_lr_ratio", "config")  # settings of the Python API only
 
@@ -31,7 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     + "; ".join(f"{name}: {', '.join(f'{k} {v}' for k, v in d.items())}"
                                 for name, d in PRESET_DEFAULTS.items())
                     + ". With --resume, unset flags take the run's recorded values, and a flag that changes the "
-                      "math (the preset, the schedule, the data, the seed, --eval-rows, --param-dtype) must "
+                      "math (the preset, the schedule, the data, the seed, --eval-rows, --param-dtype, --mtp-depth, "
+                      "--mtp-weight) must "
                       "equal it unless --allow-changed-flags; --stop-at, --eval-every, --save-every, "
                       "--sample-tokens, --no-guard, --threads, --nproc and the layout are free.")
     parser.add_argument("--preset", choices=sorted(PRESET_DEFAULTS), help="(default: mini)")
@@ -66,6 +67,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="train on the *.py files under DIR instead of the standard library")
     parser.add_argument("--held-out-fraction", type=float, help="share of the files held out, by path hash (default: 0.02)")
     parser.add_argument("--sample-tokens", type=int, help="greedy bytes generated after the run (default: 200; 0: none)")
+    parser.add_argument("--mtp-depth", type=int,
+                        help="train a multi-token prediction head of this many depths with the model (default: 0)")
+    parser.add_argument("--mtp-weight", type=float, help="weight of the MTP loss in the objective (default: 0.3)")
     parser.add_argument("--no-guard", action="store_true", default=None,
                         help="do not check activations and gradients for NaN/inf")
     native = parser.add_argument_group(
@@ -137,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     layout = native_layout_from_args(args)
     # torch's engine checks nproc against its layout instead of the plain run's batch % nproc (native/run.py)
     (settings if layout is None else dataclasses.replace(settings, nproc=1)).validate()
+    if layout is not None and settings.mtp_depth:
+        raise ValueError("--mtp-depth: only the plain run trains an MTP head (torch's engine partitions the main "
+                         "layers; leave out --fsdp/--ep/--tp/--pp)")
     if layout is None and args.init_from is not None:
         raise ValueError("init_from: only with --fsdp/--ep/--tp/--pp > 1 (the plain run starts from --seed)")
     if args.init_from is not None and not Path(args.init_from).is_dir():

@@ -4,6 +4,7 @@ One step, identical on every process:
 
     ids      = the rank's slice of the global batch (corpus.batch_rows: fixed by the step number)
     loss     = CE(next byte) + aux_loss (moe.aux_loss_alpha balance loss + moe.z_loss_coef z-loss)
+               + mtp_weight * mtp_loss (with mtp_depth > 0: the multi-token prediction head, mtp.py)
     backward through accelerate (DDP over gloo when there are several processes: gradients averaged)
     clip the global gradient norm, AdamW step, warm-up + cosine learning rate
     routing bias b <- b + u * sign(mean(c) - c) on the expert counts summed over all processes
@@ -79,9 +80,12 @@ class TrainSettings:
     timeout_s: float = 3600.0  # the whole run, per process (the launcher's watchdog)
     group_timeout_s: float = 120.0  # one collective: a rank waiting longer fails, naming it (not a silent hang)
     allow_changed_flags: bool = False  # resume: apply changed MATH_SETTINGS (training/resume.py) instead of refusing
+    mtp_depth: int = 0  # MTP head depths trained with the model (0: the config's own, none in the presets)
+    mtp_weight: float = 0.3  # the MTP loss's weight in the objective
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict(self.config) if self.config is not None else ModelConfig.from_preset(self.preset)
+        config = ModelConfig.from_dict(self.config) if self.config is not None else ModelConfig.from_preset(self.preset)
+        return config.replace(mtp_depth=self.mtp_depth) if self.mtp_depth else config
 
     def validate(self) -> None:
         for name in ("steps", "batch", "seq_len", "eval_every", "nproc", "eval_rows"):
@@ -94,6 +98,10 @@ class TrainSettings:
                 raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr: must be a finite number > 0, got {self.lr!r}")
+        if isinstance(self.mtp_depth, bool) or not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth: must be an integer >= 0, got {self.mtp_depth!r}")
+        if not (isinstance(self.mtp_weight, (int, float)) and math.isfinite(self.mtp_weight) and self.mtp_weight >= 0):
+            raise ValueError(f"mtp_weight: must be a finite number >= 0, got {self.mtp_weight!r}")
         if self.batch % self.nproc:
             raise ValueError(f"batch: the global batch ({self.batch}) must be divisible by nproc ({self.nproc})")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
@@ -116,6 +124,7 @@ class TrainSettings:
 @dataclass
 class History:
     """What trainer_state.json holds. eval rows are [step, held-out loss (nats), bits per byte];
+    mtp_loss is the MTP head's training loss per step (empty without a head);
     expert_load rows are [step, max/mean tokens per expert for each MoE layer]; expert_window is the tokens
     per [MoE layer][expert] over the last eval_every steps (the load balancer's input, parallel/eplb.py)."""
 
@@ -125,6 +134,7 @@ class History:
     tokens_seen: int = 0
     seconds: float = 0.0
     expert_load: list[list] = field(default_factory=list)
+    mtp_loss: list[float] = field(default_factory=list)
     expert_window: list[list[int]] = field(default_factory=list)
     sample: str = ""
 
@@ -209,11 +219,12 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         ids = train_rows[batch_rows(step, settings.batch, len(train_rows), settings.seed, rank, world)]
         ids = ids.long().to(accelerator.device)
         output = model(ids, labels=ids)
-        total = _loss_of(output)
+        total = _loss_of(output, settings.mtp_weight)
         accelerator.backward(total)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip)
         if settings.guard and not (torch.isfinite(total.detach()) and torch.isfinite(grad_norm)):
-            replay_with_guard(inner, lambda: _loss_of(inner(ids, labels=ids)).backward(), step + 1)
+            replay_with_guard(inner, lambda: _loss_of(inner(ids, labels=ids), settings.mtp_weight).backward(),
+                              step + 1)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -224,13 +235,16 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         loss = float(accelerator.reduce(output.loss.detach(), "mean"))
         history.step = step + 1
         history.train_loss.append(loss)
+        if output.mtp_loss is not None:
+            history.mtp_loss.append(float(accelerator.reduce(output.mtp_loss.detach(), "mean")))
         history.tokens_seen += settings.batch * settings.seq_len
         history.seconds = time.perf_counter() - started
         load = counts.float()
         history.expert_load.append([step + 1, (load.max(-1).values / load.mean(-1)).tolist()])
         if progress is not None:
             rate = (history.tokens_seen - tokens_at_start) / max(time.perf_counter() - window, 1e-9)
-            progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            mtp = {"mtp": f"{history.mtp_loss[-1]:.3f}"} if output.mtp_loss is not None else {}
+            progress.set_postfix(loss=f"{loss:.3f}", **mtp, tok_s=f"{rate:,.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
             progress.update(1)
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
             held_loss = evaluate(inner, held_rows, settings.eval_rows, accelerator)
@@ -251,8 +265,9 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
     return asdict(history)
 
 
-def _loss_of(output) -> torch.Tensor:
-    return output.loss + output.aux_loss
+def _loss_of(output, mtp_weight: float) -> torch.Tensor:
+    total = output.loss + output.aux_loss
+    return total if output.mtp_loss is None else total + mtp_weight * output.mtp_loss
 
 
 def progress_bar(main: bool, start: int, total: int, desc: str = "train"):

@@ -33,9 +33,11 @@ from latentmoe_lab.checkpoint import load_weights_into, resolve_checkpoint_dir
 from latentmoe_lab.training import state as trainer_state
 from latentmoe_lab.training.state import JSON_NAME, TENSORS_NAME
 
-MODEL_SETTINGS = ("preset", "config")
+MODEL_SETTINGS = ("preset", "config", "mtp_depth")
 MATH_SETTINGS = ("steps", "batch", "seq_len", "lr", "warmup", "seed", "corpus_root", "held_out_fraction",
-                 "eval_rows", "grad_clip", "weight_decay", "min_lr_ratio")
+                 "eval_rows", "grad_clip", "weight_decay", "min_lr_ratio", "mtp_weight")
+# settings added after runs were recorded without them: a record that lacks one ran with this value
+ADDED_SETTINGS = {"mtp_depth": 0, "mtp_weight": 0.3}
 # torch's engine: the dtype parameters are gathered and used in, and its value in a plain run's record (no
 # "layout" there: the accelerate run keeps everything in fp32)
 LAYOUT_MATH_SETTINGS = {"param_dtype": "fp32"}
@@ -85,7 +87,7 @@ def prepare_resume(settings, checkpoint: str | Path, layout=None, spell: Callabl
     path = directory / JSON_NAME
     step = _counter(meta, path)
     # through JSON, as the record went: tuples become lists, so only real changes differ
-    current, recorded = json.loads(json.dumps(asdict(settings))), dict(meta["settings"])
+    current, recorded = json.loads(json.dumps(asdict(settings))), {**ADDED_SETTINGS, **meta["settings"]}
     names = MODEL_SETTINGS + MATH_SETTINGS
     if layout is not None:
         recorded_layout = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
