@@ -69,10 +69,15 @@ def count_nodes(gm: fx.GraphModule) -> int:
 
 
 def count_launches(gm: fx.GraphModule) -> int:
-    """Nodes that run a kernel: every call_module (a fused group) and every call_function op but the free ones."""
-    return sum(node.op == "call_module" or (node.op == "call_function" and node.target is not operator.getitem
-                                            and _name(node) not in FREE and not _name(node).startswith("_operator"))
-               for node in gm.graph.nodes)
+    """Nodes that run a kernel: every call_module (a fused group) and every torch operator but the free ones
+    (getitem and Python arithmetic on sizes are not operators)."""
+    def runs_kernel(node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return True
+        return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+                and _name(node) not in FREE)
+
+    return sum(runs_kernel(node) for node in gm.graph.nodes)
 
 
 def _val(node) -> torch.Tensor | None:
