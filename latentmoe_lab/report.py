@@ -42,7 +42,7 @@ def html_report(title: str, sections: Sequence[Section]) -> str:
                 plot = f"<figure>{plot}<figcaption>{html.escape(section.caption)}</figcaption></figure>"
             body.append(plot)
         else:
-            body.append(f"<pre>{html.escape(section)}</pre>")
+            body.append(f"<pre style='white-space: pre-wrap; overflow-wrap: anywhere'>{html.escape(section)}</pre>")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
             f"<body style='font-family: sans-serif; max-width: 1100px; margin: auto'>"
             f"<h1>{html.escape(title)}</h1>{''.join(body)}</body></html>")

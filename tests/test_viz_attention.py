@@ -10,9 +10,13 @@ from latentmoe_lab.viz import attention as viz
 
 
 def test_state_decay_and_equality_figures():
-    fig = viz.kda_state_steps_figure(torch.randn(5, 4, 3))
+    states = torch.randn(5, 4, 3)
+    states[0] = 0.01  # a nearly empty first step, as after one write
+    states[3] *= 10
+    fig = viz.kda_state_steps_figure(states)
     assert len(fig.data) == 5 and len(fig.layout.sliders[0].steps) == 5
-    assert [trace.visible for trace in fig.data] == [True, False, False, False, False]
+    assert [trace.visible for trace in fig.data] == [False, False, False, True, False]  # opens on the fullest
+    assert fig.layout.sliders[0].active == 3 and fig.layout.xaxis.dtick == 1 and fig.layout.yaxis.dtick == 1
     fig = viz.decay_gates_figure({"a": torch.rand(6, 4), "b": torch.rand(6, 4)})
     assert len(fig.data) == 2
     reference = torch.randn(2, 9, 3)

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from latentmoe_lab.viz.model import decades_axis
+
 _DEPTH_KINDS = ("residual", "attn", "ffn", "router_logits")
 
 
@@ -56,8 +58,13 @@ def alignment_figure(rows: Sequence[Mapping], title: str = "Alignment against th
     flips = [r for r in rows if r["kind"] == "experts"]
     fig.add_trace(go.Bar(x=[f"layer {r['layer']}" for r in flips], y=[r["routing_flips"] for r in flips],
                          name="tokens with a changed expert set", marker_color="darkorange"), row=1, col=2)
+    if not any(r["routing_flips"] for r in flips):  # an all-zero panel would look like a missing chart
+        fig.add_annotation(text="no routing flips:<br>every MoE layer chose the<br>same experts for every token"
+                           if flips else "no MoE layer was compared", showarrow=False, x=0.5, y=0.5,
+                           xref="x2 domain", yref="y2 domain")
     fig.update_xaxes(title_text="block (embed at -1, norm and logits after the last)", row=1, col=1)
-    fig.update_yaxes(title_text="|cand - ref| / |ref|", type="log", row=1, col=1)
+    errors = [_positive(r["rel_l2"]) for r in rows if _positive(r["rel_l2"]) is not None]
+    fig.update_yaxes(title_text="|cand - ref| / |ref|", **decades_axis(errors), row=1, col=1)
     fig.update_yaxes(title_text="share of tokens", rangemode="tozero", row=1, col=2)
     fig.update_layout(title=title, height=450)
     return fig

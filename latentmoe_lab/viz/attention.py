@@ -10,16 +10,23 @@ from plotly.subplots import make_subplots
 
 def kda_state_steps_figure(states: torch.Tensor, labels: Sequence[str] | None = None,
                            title: str = "KDA state S_t, token by token") -> go.Figure:
-    """states: [T, K, V], the state after each token; a slider walks through t (rows: key channel)."""
+    """states: [T, K, V], the state after each token; a slider walks through t (rows: key channel).
+
+    The figure opens on the step whose state holds the most (the latest of equals), not on a first step
+    that may be nearly empty; ticks fall on whole channels.
+    """
     states = states.detach().float()
     limit = float(states.abs().max()) or 1.0
     labels = list(labels) if labels is not None else [f"t={t}" for t in range(states.shape[0])]
-    fig = go.Figure([go.Heatmap(z=state.tolist(), zmin=-limit, zmax=limit, colorscale="RdBu", visible=(t == 0),
-                                colorbar_title="S[k, v]") for t, state in enumerate(states)])
+    start = max(range(states.shape[0]), key=lambda t: (round(float(states[t].abs().sum()), 6), t))
+    fig = go.Figure([go.Heatmap(z=state.tolist(), zmin=-limit, zmax=limit, colorscale="RdBu",
+                                visible=(t == start), colorbar_title="S[k, v]") for t, state in enumerate(states)])
     steps = [dict(method="update", label=label, args=[{"visible": [i == t for i in range(len(labels))]}])
              for t, label in enumerate(labels)]
-    fig.update_layout(title=title, sliders=[dict(active=0, steps=steps, currentvalue=dict(prefix="after "))],
+    fig.update_layout(title=title, sliders=[dict(active=start, steps=steps, currentvalue=dict(prefix="after "))],
                       xaxis_title="value channel v", yaxis_title="key channel k", yaxis_autorange="reversed")
+    fig.update_xaxes(dtick=1)
+    fig.update_yaxes(dtick=1)
     return fig
 
 

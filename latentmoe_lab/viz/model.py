@@ -1,6 +1,7 @@
 """Figures about the whole model: parameters by component, expert load, cache bytes."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -13,8 +14,19 @@ def parameter_breakdown_figure(by_component: Mapping[str, Mapping[str, int]], ti
         go.Bar(name="total", x=names, y=[by_component[n]["total"] for n in names]),
         go.Bar(name="active per token", x=names, y=[by_component[n]["active"] for n in names]),
     ])
-    fig.update_layout(title=title, barmode="group", yaxis_title="parameters", yaxis_type="log")
+    fig.update_layout(title=title, barmode="group", yaxis_title="parameters")
+    fig.update_yaxes(**decades_axis([v for counts in by_component.values() for v in counts.values()]))
     return fig
+
+
+def decades_axis(values: Sequence[float]) -> dict:
+    """A log axis from the decade below the smallest positive value to the decade above the largest, labelled
+    at powers of ten only: the tallest bar stays under a labelled tick, and no minor "2" / "5" labels."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return dict(type="log")
+    return dict(type="log", dtick=1, range=[math.floor(math.log10(min(positive))),
+                                            math.ceil(math.log10(max(positive)) + 1e-9)])
 
 
 def expert_load_figure(load: Sequence[Sequence[float]], layer_labels: Sequence[str],

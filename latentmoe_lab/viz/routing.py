@@ -5,6 +5,7 @@ and returns a go.Figure; nothing here runs a model.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -103,8 +104,19 @@ def latent_tradeoff_figure(points, selected_alpha: int | None = None,
         highlight = selected_alpha is None or p.alpha == selected_alpha
         fig.add_trace(go.Bar(x=list(metrics), y=ratios, name=f"alpha={p.alpha} (l={p.latent_size})",
                              opacity=1.0 if highlight else 0.3))
-    fig.update_layout(title=title, barmode="group", yaxis_type="log", yaxis_title=f"x value at alpha={base.alpha}")
+    fig.update_layout(title=title, barmode="group", yaxis_title=f"x value at alpha={base.alpha}")
+    fig.update_yaxes(**_powers_of_two_axis([trace_y for trace in fig.data for trace_y in trace.y]))
     return fig
+
+
+def _powers_of_two_axis(ratios: Sequence[float]) -> dict:
+    """A log axis labelled at the powers of two the ratios span (x1/8 .. x8), not at every minor tick."""
+    low = math.floor(math.log2(min(r for r in ratios if r > 0)))
+    high = math.ceil(math.log2(max(ratios)))
+    values = [2.0 ** e for e in range(low, high + 1)]
+    text = [f"x{int(v)}" if v >= 1 else f"x1/{int(round(1 / v))}" for v in values]
+    return dict(type="log", tickvals=values, ticktext=text, range=[low * math.log10(2) - 0.1,
+                                                                   high * math.log10(2) + 0.1])
 
 
 def ep_ranks_figure(loads, title: str = "One MoE layer per expert-parallel rank") -> go.Figure:
