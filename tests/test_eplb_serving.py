@@ -1,5 +1,5 @@
 """EPLB in serving (parallel/eplb_serving.py): replica choice, slot migration, the online schedule, the load
-recorder against the router, and an EP2 engine whose greedy tokens survive rebalances."""
+recorder against the router, and EP2 / EP4 engines whose greedy tokens survive rebalances."""
 import sysconfig
 
 import pytest
@@ -108,11 +108,19 @@ def test_eplb_section_is_checked():
         ServiceConfig.from_dict(SERVICE | {"eplb": {"layers_per_step": 0}})
 
 
-def test_ep2_greedy_tokens_unchanged_through_online_rebalances(model):
-    reference_engine = Engine(model, ServiceConfig.from_dict(SERVICE))
-    reference = [o.token_ids for o in reference_engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    service = SERVICE | {"parallel": {"expert_parallel_size": 2},
-                         "eplb": {"enabled": True, "num_redundant_experts": 2, "window_steps": 4,
+@pytest.fixture(scope="module")
+def one_process(model):
+    """(greedy tokens, routed tokens per [layer][expert]) of the one-process engine on PROMPTS."""
+    engine = Engine(model, ServiceConfig.from_dict(SERVICE))
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    return tokens, engine.stats()["expert_tokens"]
+
+
+@pytest.mark.parametrize("ep,redundant", [(2, 2), (4, 4)])
+def test_greedy_tokens_unchanged_through_online_rebalances(model, one_process, ep, redundant):
+    reference, routed = one_process
+    service = SERVICE | {"parallel": {"expert_parallel_size": ep},
+                         "eplb": {"enabled": True, "num_redundant_experts": redundant, "window_steps": 4,
                                   "rebalance_interval_steps": 3, "layers_per_step": 1}}
     engine = Engine(model, ServiceConfig.from_dict(service))
     try:
@@ -127,5 +135,5 @@ def test_ep2_greedy_tokens_unchanged_through_online_rebalances(model):
     expert_bytes = 3 * moe.latent_size * moe.expert_intermediate_size * 4  # fp32 w13 + w2
     assert stats["eplb_bytes_moved"] == balancer.slots_moved * expert_bytes  # moved == planned
     # the workers' counts are the one-process engine's: the same steps route the same tokens
-    assert stats["expert_tokens"] == reference_engine.stats()["expert_tokens"]
+    assert stats["expert_tokens"] == routed
     assert 0 < stats["expert_balancedness"] <= 1
