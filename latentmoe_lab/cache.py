@@ -73,6 +73,15 @@ class DSALayerCache:
         self.k_rope = self._keys[:, :new, latent_dim:]
         self.index_keys = self._index[:, :new]
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens: a speculative draft's rows are dropped. The buffers keep the
+        dropped rows, and the next append overwrites them (it writes from `length` on)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"length: must be an integer in [0, {self.length}], got {length!r}")
+        if self.latent is not None:
+            self.latent, self.k_rope = self.latent[:, :length], self.k_rope[:, :length]
+            self.index_keys = self.index_keys[:, :length]
+
 
 def _grown(held: torch.Tensor | None, incoming: torch.Tensor, needed: int) -> torch.Tensor:
     """A buffer [B, capacity, D] with room for `needed` tokens (at least double the old), `held` copied in."""
