@@ -14,6 +14,8 @@ from latentmoe_lab.training.lm import TrainSettings, train
 
 from serving_cases import PARAMS, PROMPTS, SERVICE
 
+FEW_PROMPTS = PROMPTS[2:6]  # 17, 40, 33 and 2 tokens: chunked prefills, decodes, 10+ steps
+
 
 def test_replica_choice_prefers_own_rank_else_spreads_and_matches_its_twin():
     phy2log = torch.tensor([0, 1, 2, 3, 0, 4, 5, 6, 7, 1, 2, 3])  # 3 slots per rank; expert 0 on ranks 0, 1
@@ -92,7 +94,7 @@ def test_recorder_counts_equal_the_routers(model):
 
 
 def test_the_trainer_records_the_window_it_balanced_with():
-    settings = TrainSettings(preset="tiny", steps=2, batch=2, seq_len=16, warmup=1, eval_every=2, eval_rows=2,
+    settings = TrainSettings(preset="tiny", steps=2, batch=2, seq_len=16, warmup=1, eval_every=2, eval_rows=1,
                              sample_tokens=0, threads=1, corpus_root=sysconfig.get_paths()["stdlib"] + "/json",
                              held_out_fraction=0.3)
     history = train(settings)
@@ -110,21 +112,22 @@ def test_eplb_section_is_checked():
 
 @pytest.fixture(scope="module")
 def one_process(model):
-    """(greedy tokens, routed tokens per [layer][expert]) of the one-process engine on PROMPTS."""
+    """(greedy tokens, routed tokens per [layer][expert]) of the one-process engine on FEW_PROMPTS."""
     engine = Engine(model, ServiceConfig.from_dict(SERVICE))
-    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    tokens = [o.token_ids for o in engine.generate(FEW_PROMPTS, PARAMS, use_tqdm=False)]
     return tokens, engine.stats()["expert_tokens"]
 
 
-@pytest.mark.parametrize("ep,redundant", [(2, 2), (4, 4)])
-def test_greedy_tokens_unchanged_through_online_rebalances(model, one_process, ep, redundant):
+@pytest.mark.parametrize("ep,redundant,tp,pp", [(2, 2, 1, 1), (4, 4, 1, 1), (2, 2, 2, 1), (2, 2, 1, 2)])
+def test_greedy_tokens_unchanged_through_online_rebalances(model, one_process, ep, redundant, tp, pp):
     reference, routed = one_process
-    service = SERVICE | {"parallel": {"expert_parallel_size": ep},
+    service = SERVICE | {"parallel": {"expert_parallel_size": ep, "tensor_parallel_size": tp,
+                                      "pipeline_parallel_size": pp},
                          "eplb": {"enabled": True, "num_redundant_experts": redundant, "window_steps": 4,
                                   "rebalance_interval_steps": 3, "layers_per_step": 1}}
     engine = Engine(model, ServiceConfig.from_dict(service))
     try:
-        outputs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+        outputs = engine.generate(FEW_PROMPTS, PARAMS, use_tqdm=False)
         stats = engine.stats()
     finally:
         engine.close()
@@ -132,7 +135,7 @@ def test_greedy_tokens_unchanged_through_online_rebalances(model, one_process, e
     balancer = engine.balancer
     assert balancer.rebalances >= 2 and balancer.slots_moved > 0
     moe = model.config.moe
-    expert_bytes = 3 * moe.latent_size * moe.expert_intermediate_size * 4  # fp32 w13 + w2
+    expert_bytes = 3 * moe.latent_size * moe.expert_intermediate_size * 4  # fp32 w13 + w2, over the tp slices
     assert stats["eplb_bytes_moved"] == balancer.slots_moved * expert_bytes  # moved == planned
     # the workers' counts are the one-process engine's: the same steps route the same tokens
     assert stats["expert_tokens"] == routed
