@@ -7,8 +7,8 @@
 torch's own default is one OpenMP thread per core of the machine (os.cpu_count()), which counts cores
 this process may not use (a container's quota, taskset) and cores other jobs are using. Each parallel
 region then waits for its slowest thread; a thread that is descheduled makes the whole region wait. On
-a shared 2-core machine that made training 1.3-4x and generation up to 15x slower with 2 threads than
-with 1 (benchmarks/RESULTS.md, "Threads"), so with 2 or fewer cores per process the default is 1.
+a busy shared 2-core machine 2 threads made training 9-14x and generation 10-40x slower than 1
+(benchmarks/RESULTS.md, "Threads"), so with 2 or fewer cores per process the default is 1.
 `--threads N` (or parallel.forward_threads in a service config) overrides it.
 """
 from __future__ import annotations
