@@ -13,6 +13,7 @@ preemption by recompute and prefix caching with KDA state snapshots.
     failures.py       a failed step: StepError, blame by bisection, retries, failing alone (§6.5)
     engine.py         Engine: add_request / step / abort / reset / generate / stream / stats (§6.6)
     workload.py       the synthetic serve-bench workload; cli.py: plan-service and serve-bench
+    spec/             speculative decoding (§12): the drafters (ngram, mtp) behind one interface
 
     from latentmoe_lab.serving import Engine, ServiceConfig, SamplingParams
 """

@@ -59,6 +59,12 @@ Five sections, the keys of the public example first, then ours where the example
       window_steps          int    steps of routed-token counts the balancer (and /metrics) looks at (32)
       rebalance_interval_steps int a new placement every this many steps (64)
       layers_per_step       int    MoE layers whose slots migrate with one step (1)
+    speculative:                   speculative decoding (docs/design.md §12; absent or empty: off)
+      method                str    ngram (prompt lookup in the request's own tokens) | mtp (the model's MTP
+                                   head, config.mtp_depth > 0, checked when the engine starts)
+      num_speculative_tokens int   K, draft tokens per step and sequence, 1..8 (required with method)
+      prompt_lookup_min     int    ngram only: the shortest suffix matched, >= 1 (default 1)
+      prompt_lookup_max     int    ngram only: the longest, >= prompt_lookup_min (default 4)
 
 A file is read by latentmoe_lab/yaml_loader.py (no anchors, aliases, tags or duplicate keys; ints are
 plain decimals; errors name the file, line and column). A section may be left empty (`memory:` alone:
@@ -83,6 +89,8 @@ CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
 MIN_MODEL_LEN = 2  # one prompt token and one generated token
 MIN_GROUP_TIMEOUT_S = 0.1  # shorter, and a worker group cannot even form (gloo's rendezvous takes longer)
 MAX_LOG_RECORDS = 1_000_000  # Engine.log's records take a few hundred bytes each: a few hundred MB at most
+SPEC_METHODS = ("ngram", "mtp")
+MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclass
@@ -145,8 +153,26 @@ class EplbSection:
     layers_per_step: int = 1
 
 
+@dataclass
+class SpeculativeSection:
+    method: str | None = None  # None: off
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """(prompt_lookup_min, prompt_lookup_max) of the n-gram drafter, defaults filled in."""
+        low = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+        return low, max(4, low) if self.prompt_lookup_max is None else self.prompt_lookup_max
+
+
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
-            "scheduler": SchedulerSection, "eplb": EplbSection}
+            "scheduler": SchedulerSection, "eplb": EplbSection, "speculative": SpeculativeSection}
 
 
 @dataclass
@@ -156,6 +182,7 @@ class ServiceConfig:
     memory: MemorySection = field(default_factory=MemorySection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     eplb: EplbSection = field(default_factory=EplbSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServiceConfig":
@@ -243,6 +270,7 @@ class ServiceConfig:
                f"must be an integer >= 0, got {describe(e.num_redundant_experts)}")
         _check(not e.enabled or p.expert_parallel_size > 1, "eplb.enabled",
                "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
+        _check_speculative(self.speculative)
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")
@@ -281,6 +309,29 @@ def _section_from_dict(section_cls, values: dict[str, Any], section: str):
         if key not in known:
             raise ValueError(f"{section}.{key_name(key)}: unknown key; expected some of {known}")
     return section_cls(**values)  # types and ranges: validate()
+
+
+def _check_speculative(spec: SpeculativeSection) -> None:
+    """The speculative: section on its own; what needs the model (an MTP head) is checked at engine start."""
+    if spec.method is None:
+        given = [key for key, value in asdict(spec).items() if value is not None]
+        _check(not given, "speculative.method", f"required when the section sets {given[0] if given else ''} "
+               f"(one of {list(SPEC_METHODS)}; leave the section out for no speculative decoding)")
+        return
+    _choice("speculative.method", spec.method, SPEC_METHODS)
+    k = spec.num_speculative_tokens
+    _check(k is not None, "speculative.num_speculative_tokens", f"required with speculative.method "
+           f"(draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS})")
+    _check(1 <= k <= MAX_SPECULATIVE_TOKENS, "speculative.num_speculative_tokens",
+           f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {describe(k)}")
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        value = getattr(spec, key)
+        _check(value is None or spec.method == "ngram", f"speculative.{key}",
+               f"only with method ngram (the method is {spec.method})")
+        _check(value is None or value >= 1, f"speculative.{key}", f"must be an integer >= 1, got {describe(value)}")
+    low, high = spec.lookup_range
+    _check(low <= high, "speculative.prompt_lookup_max",
+           f"({high}) must be >= speculative.prompt_lookup_min ({low})")
 
 
 def _positive_int(path: str, value: int) -> None:

@@ -52,6 +52,7 @@ from latentmoe_lab.serving.planner import allocate_pools, plan_cache, with_cache
 from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
+from latentmoe_lab.serving.spec.setup import check_engine_start
 
 MAX_WORKER_RESTARTS_IN_A_ROW = 3  # a parallel step that loses its workers again and again raises
 
@@ -91,6 +92,7 @@ class Engine:
         expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype)
         if expected is not None and weights != expected:
             raise ValueError(f"model.dtype: the config says {cfg.model.dtype} but the model's weights are {weights}")
+        check_engine_start(cfg.speculative, model)  # before anything is allocated
         # a worker rank's pools hold its pipeline stage's layers with its local KDA heads: plan each stage's
         # share (one block count for all); self.plan is stage 0's
         self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
