@@ -490,3 +490,75 @@ for dims, what in carried.items():
 # | process-group timeout | how long a collective may wait before the watchdog acts: `init_distributed(timeout_s)` passes it to the default group. It must cover the slowest collective of the run (the first connections at scale, a checkpoint write), and no more, so a hang is reported promptly. |
 # | `TORCH_NCCL_TRACE_BUFFER_SIZE` with `TORCH_NCCL_DUMP_ON_TIMEOUT=1` | the flight recorder: the last collectives of every rank, written out on a timeout, to find the rank that fell out of step (`TORCH_NCCL_DESYNC_DEBUG=1` helps name it). |
 # | `CUDA_DEVICE_MAX_CONNECTIONS=1` | one hardware queue per GPU, so kernels start in the order they were issued; Megatron-LM asks for it so its TP communication is scheduled ahead of the compute that waits on it. `native/` relies on no such ordering; FSDP2 runs its all-gathers and reduce-scatters on streams of their own, so measure before setting it. |
+
+# %% [markdown]
+# ## 9. Expert-parallel load balancing
+#
+# With expert parallelism a step lasts as long as its busiest rank. `parallel/eplb.py`'s
+# `rebalance_experts` (docs/design.md §14) copies the hottest experts into redundant slots and packs the
+# slots onto ranks so every rank carries about the same load. Below: the six imbalance workloads at K3
+# scale (896 experts, top-16, EP64; the expert ids shuffled per layer), balancedness = mean / max tokens
+# per rank before (expert e on rank e // 14) and after the balancer with 0, 64 and 128 redundant slots.
+
+# %%
+import plotly.graph_objects as go
+
+from latentmoe_lab.parallel.eplb import default_placement, rebalance_experts
+from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder, balance_metrics, rank_loads
+from latentmoe_lab.parallel.eplb_plan import workload_loads
+from latentmoe_lab.parallel.eplb_serving import OnlineBalancer
+from latentmoe_lab.workloads import WORKLOADS, make_workload
+
+EPLB_LAYERS = 4 if SMOKE else 92  # MoE layers of the K3 table
+
+
+def balancedness(weight, placement, ranks):
+    phy2log, _, logcnt = placement
+    return balance_metrics(rank_loads(weight, phy2log, logcnt, ranks))["balancedness"]
+
+
+eplb_rows = {}
+for name in WORKLOADS:
+    weight = workload_loads(name, EPLB_LAYERS, 896, 16, num_tokens=4096)
+    eplb_rows[name] = {"none": balancedness(weight, default_placement(EPLB_LAYERS, 896), 64)}
+    for redundant in (0, 64, 128):
+        placement = rebalance_experts(weight, 896 + redundant, 1, 8, 64)  # global policy, 8 nodes of 8
+        eplb_rows[name][f"R={redundant}"] = balancedness(weight, placement, 64)
+figure = go.Figure([go.Bar(name=variant, x=list(eplb_rows), y=[eplb_rows[w][variant] for w in eplb_rows])
+                    for variant in ("none", "R=0", "R=64", "R=128")])
+figure.update_layout(barmode="group", yaxis_title="balancedness (mean / max tokens per rank)", height=380,
+                     title=f"K3 at EP64: {EPLB_LAYERS} MoE layers x 896 experts")
+figure
+
+# %% [markdown]
+# One redundant slot per rank (R = 64) lifts every workload but one above 0.99: a single hot expert per
+# layer gets its replicas, spread over the ranks. `same_topk` stays at 0.625: all tokens go to the same 16
+# experts, the greedy replication gives each 5 replicas (80 equal slots), and 80 slots on 64 ranks put two
+# on some rank. `benchmarks/RESULTS.md` has the planner's busiest-rank step time for each case.
+#
+# **Migration over time.** Serving rebalances online: an `ExpertLoadRecorder` keeps the routed tokens of
+# the last `window_steps` steps, and every `rebalance_interval_steps` steps an `OnlineBalancer` computes a
+# new placement and hands the workers `layers_per_step` layers at a time (the service never stops; the EP2
+# and EP4 tests check that greedy tokens do not change). Here one expert is in every token's top-4 (64
+# experts, EP8 + 8 redundant slots, 8 MoE layers), and which one it is moves by 16 ids every 40 steps.
+
+# %%
+layers, experts, ranks, steps = 8, 64, 8, (60 if SMOKE else 160)
+one_hot = make_workload("one_hot_expert", 256, experts, 4).counts  # expert 0 in every token's top-4
+recorder = ExpertLoadRecorder(layers, experts, window_steps=8)
+balancer = OnlineBalancer(layers, experts, ranks, 8, num_groups=1, interval_steps=10, layers_per_step=2)
+trace = []
+for step in range(steps):
+    counts = one_hot.roll(step // 40 * 16).repeat(layers, 1)  # [layers, experts]: the hot expert moves
+    balancer.updates(recorder.window, step)
+    phy2log, logcnt = balancer.slots()
+    trace.append(balance_metrics(rank_loads(counts, phy2log, logcnt, ranks))["balancedness"])
+    recorder.record(counts)
+figure = go.Figure(go.Scatter(y=trace, mode="lines"))
+figure.update_layout(xaxis_title="step", yaxis_title="balancedness this step", height=320,
+                     title="online EPLB: the hotspot moves every 40 steps, 2 layers migrate per step")
+figure
+
+# %% [markdown]
+# Each time the hot expert moves, balancedness drops until the next rebalance sees it in the window
+# (at most 10 steps), then climbs back as the changed layers migrate, two per step.
