@@ -4,11 +4,13 @@ import sysconfig
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from latentmoe_lab.layers.moe import LatentExperts, LatentMoE
 from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder
 from latentmoe_lab.parallel.eplb_serving import (ExpertSlots, OnlineBalancer, choose_replicas,
                                                  choose_replicas_reference, slot_tables)
+from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.serving import Engine, ServiceConfig
 from latentmoe_lab.training.lm import TrainSettings, train
 
@@ -140,3 +142,20 @@ def test_greedy_tokens_unchanged_through_online_rebalances(model, one_process, e
     # the workers' counts are the one-process engine's: the same steps route the same tokens
     assert stats["expert_tokens"] == routed
     assert 0 < stats["expert_balancedness"] <= 1
+
+
+def test_metrics_export_balancedness_and_per_expert_tokens():
+    metrics = ServerMetrics()
+    base = {"running": 0, "waiting": 0, "blocks_used": 0, "num_blocks": 8, "slots_used": 0, "num_slots": 2,
+            "cached_blocks": 0, "preemptions": 0, "prefix_hit_tokens": 0, "worker_restarts": 0,
+            "rank_forward_seconds": [], "rank_collective_seconds": [], "rank_resident_bytes": []}
+    metrics.observe_engine(base | {"expert_balancedness": 0.5, "expert_tokens": [[3, 0], [1, 2]],
+                                   "eplb_bytes_moved": 100})
+    metrics.observe_engine(base | {"expert_balancedness": 0.75, "expert_tokens": [[5, 0], [1, 4]],
+                                   "eplb_bytes_moved": 300})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics.exposition().decode()) for s in f.samples}
+    assert samples[("latentmoe_expert_balancedness", ())] == 0.75
+    assert samples[("latentmoe_expert_tokens_total", (("expert", "0"), ("layer", "0")))] == 5
+    assert samples[("latentmoe_expert_tokens_total", (("expert", "1"), ("layer", "1")))] == 4
+    assert samples[("latentmoe_eplb_bytes_moved_total", ())] == 300
