@@ -168,3 +168,5 @@ def test_train_cli_adds_the_weighted_mtp_loss_logs_it_and_resume_checks_the_flag
     assert unweighted.train_loss[1] != state["train_loss"][1]
     with pytest.raises(ValueError, match="mtp_weight"):
         train(_settings(mtp_depth=1, mtp_weight=-1.0))
+    with pytest.raises(ValueError, match="mtp_depth: 1 differs from the config's mtp_depth 2"):
+        train(_settings(mtp_depth=1, config=ModelConfig.from_preset("tiny").replace(mtp_depth=2).to_dict()))

@@ -102,6 +102,10 @@ class TrainSettings:
             raise ValueError(f"mtp_depth: must be an integer >= 0, got {self.mtp_depth!r}")
         if not (isinstance(self.mtp_weight, (int, float)) and math.isfinite(self.mtp_weight) and self.mtp_weight >= 0):
             raise ValueError(f"mtp_weight: must be a finite number >= 0, got {self.mtp_weight!r}")
+        configured = self.config.get("mtp_depth", 0) if isinstance(self.config, dict) else 0
+        if self.mtp_depth and configured and configured != self.mtp_depth:
+            raise ValueError(f"mtp_depth: {self.mtp_depth} differs from the config's mtp_depth {configured!r}; "
+                             "set one of them")
         if self.batch % self.nproc:
             raise ValueError(f"batch: the global batch ({self.batch}) must be divisible by nproc ({self.nproc})")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
