@@ -13,7 +13,7 @@ import torch
 from latentmoe_lab.server.loading import load_model
 from latentmoe_lab.server.settings import split_service_dict
 from latentmoe_lab.server.threaded import start_service
-from latentmoe_lab.tokenizer import SPECIAL_TOKENS
+from latentmoe_lab.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 KEY = "fields-key"
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 128},
@@ -242,3 +242,95 @@ def _wait_idle(url, timeout=30):
             return
         time.sleep(0.05)
     raise AssertionError(f"not idle after {timeout} s: {health}")
+
+
+def _greedy_cut_at(logp, prompt_ids, stop_at):
+    """A plain in-process greedy generation, cut as the public servers cut at a stop string: the stop is
+    text[stop_at:stop_at + 2]; -> (stop, text before it, ids up to and including the one completing it, their
+    logprobs)."""
+    ids, vocab = [], 0
+    for _ in range(stop_at + 4):
+        last = logp(prompt_ids + ids)[-1]
+        ids, vocab = ids + [int(last.argmax())], len(last)
+    decode = ByteTokenizer(vocab).decode
+    stop = decode(ids)[stop_at:stop_at + 2]
+    assert "\ufffd" not in stop  # an unfinished character decodes as U+FFFD in a prefix, never in a stream
+    count = next(k for k in range(1, len(ids) + 1) if stop in decode(ids[:k]))
+    kept = ids[:count]
+    assert len(decode(kept)) == count  # one character per token here: the text offsets are 0..count-1
+    reference = logp(prompt_ids + kept)[len(prompt_ids) - 1:]
+    return stop, decode(kept)[:decode(kept).find(stop)], kept, reference[torch.arange(count), torch.tensor(kept)]
+
+
+def _completion_choices(response, stream: bool):
+    """A completion (or its stream) -> ({index: (text, token_ids, tokens, text_offset, reason)}, {index:
+    token_logprobs}, completion_tokens)."""
+    out, lps, usage = {}, {}, None
+    for chunk in (response if stream else [response]):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text, ids, tokens, offsets, reason = out.get(c.index, ("", [], [], [], None))
+            lp = c.logprobs or openai.types.completion_choice.Logprobs(tokens=[], token_logprobs=[], text_offset=[])
+            lps[c.index] = lps.get(c.index, []) + lp.token_logprobs
+            out[c.index] = (text + c.text, ids + c.model_extra["token_ids"], tokens + lp.tokens,
+                            offsets + lp.text_offset, c.finish_reason or reason)
+    return out, lps, usage.completion_tokens
+
+
+def _chat_choices(response, stream: bool):
+    """A chat completion (or its stream) -> ({index: (content, token_ids, tokens, reason)}, {index: logprobs},
+    completion_tokens)."""
+    out, lps, usage = {}, {}, None
+    for chunk in (response if stream else [response]):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text, ids, tokens, reason = out.get(c.index, ("", [], [], None))
+            content = (c.delta if stream else c.message).content or ""
+            entries = c.logprobs.content if c.logprobs is not None else []
+            lps[c.index] = lps.get(c.index, []) + [e.logprob for e in entries]
+            out[c.index] = (text + content, ids + c.model_extra["token_ids"], tokens + [e.token for e in entries],
+                            c.finish_reason or reason)
+    return out, lps, usage.completion_tokens
+
+
+def test_stop_usage_and_token_lists_do_not_depend_on_step_timing(client, logp):
+    """A greedy stop early in a long max_tokens: the engine makes tokens past the stop before the abort lands,
+    how many depends on timing. Alone, streamed or not, n = 3, and among concurrent requests sharing steps,
+    usage and every per-token list are those of an in-process greedy run cut at the stop token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from latentmoe_lab.server.choices import token_string
+    from latentmoe_lab.server.protocol import render_chat
+
+    messages = [{"role": "user", "content": "hi"}]
+    cases = {}
+    for kind, prompt_ids in (("completion", list(b"Once")), ("chat", list(render_chat(messages).encode()))):
+        stop, text, kept, reference = _greedy_cut_at(logp, prompt_ids, 3)
+        tokens = [token_string(t) for t in kept]
+        common = dict(model="tiny-test", temperature=0, max_tokens=48, stop=[stop, "\x00never"])
+        if kind == "completion":
+            cases[kind] = (dict(prompt="Once", logprobs=2, **common), (text, kept, tokens, list(range(len(kept)))))
+        else:
+            cases[kind] = (dict(messages=messages, logprobs=True, top_logprobs=2, **common), (text, kept, tokens))
+        cases[kind] += (reference,)
+
+    def ask(kind: str, stream: bool, n: int):
+        kwargs, expected, reference = cases[kind]
+        usage = {"stream_options": {"include_usage": True}} if stream else {}
+        create = client.completions.create if kind == "completion" else client.chat.completions.create
+        read = _completion_choices if kind == "completion" else _chat_choices
+        choices, lps, completion_tokens = read(create(stream=stream, n=n, **usage, **kwargs), stream)
+        assert completion_tokens == n * len(expected[1]), (kind, stream, n)
+        for index in range(n):
+            assert choices[index] == (*expected, "stop"), (kind, stream, n)
+            assert torch.allclose(torch.tensor(lps[index]), reference, atol=TOL), (kind, stream, n)
+
+    for shape in (("completion", False, 1), ("completion", True, 3), ("chat", True, 1), ("chat", False, 3)):
+        ask(*shape)  # alone: each abort lands while the engine steps this request only
+    shapes = [(kind, stream, n) for kind in cases for stream in (False, True) for n in (1, 3)]
+    noise = dict(model="tiny-test", prompt="zz", max_tokens=24, temperature=1.0, seed=1)
+    with ThreadPoolExecutor(len(shapes) + 1) as pool:  # together: steps shared, the event loop busy
+        busy = pool.submit(client.completions.create, **noise)
+        for future in [pool.submit(ask, *shape) for shape in shapes]:
+            future.result()
+        assert busy.result().usage.completion_tokens == 24

@@ -4,10 +4,12 @@ import random
 
 import pytest
 
+from latentmoe_lab.server.choices import ChoiceText
 from latentmoe_lab.server.detokenizer import IncrementalDetokenizer
 from latentmoe_lab.server.errors import APIError
 from latentmoe_lab.server.protocol import parse_request, render_chat
 from latentmoe_lab.server.stops import StopMatcher
+from latentmoe_lab.serving.logprobs import TokenLogprob
 from latentmoe_lab.tokenizer import ByteTokenizer
 
 
@@ -45,6 +47,30 @@ def test_stop_matcher_cuts_before_the_first_stop_whatever_the_chunking(seed):
     out.append(matcher.flush())
     assert "".join(out) == expected
     assert matcher.stopped == (expected != text)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_choice_ends_at_the_token_that_completes_its_stop_however_the_ids_arrive(seed):
+    """Ids in events of 1-4 (as steps and a late abort deliver them): the text is cut before the stop, the
+    tokens and the count end at the token that completed it (those inside the stop kept, later ones dropped),
+    the cumulative logprob is over those; the same as a whole decode of the ids cut there."""
+    rng = random.Random(seed)
+    ids = [rng.choice([*b"abx", 0xC3, 0xA9, 300, 256]) for _ in range(40)]
+    stops, decode = ("ab", "\u00e9x"), ByteTokenizer(512).decode  # 2 tokens each; 3 bytes with the C3 A9 of e-acute
+    count = next((k for k in range(1, len(ids) + 1) if any(s in decode(ids[:k]) for s in stops)), len(ids))
+    whole = decode(ids[:count])
+    expected = whole[:min([whole.find(s) for s in stops if s in whole], default=len(whole))]
+    choice, text, tokens, i = ChoiceText(stops), "", [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        released = choice.feed(ids[i:i + n], [TokenLogprob(t, -1.0 - t) for t in ids[i:i + n]])
+        text, tokens, i = text + released.text, tokens + released.tokens, i + n
+    released = choice.finish()
+    text, tokens = text + released.text, tokens + released.tokens
+    assert (text, [t for t, _, _ in tokens], choice.kept) == (expected, ids[:count], count)
+    assert [lp.token_id for _, lp, _ in tokens] == ids[:count]
+    assert choice.cumulative_logprob == sum(-1.0 - t for t in ids[:count])
+    assert [offset for _, _, offset in tokens] == sorted(offset for _, _, offset in tokens)
 
 
 def test_chat_template_is_byte_exact_and_parsed_requests_use_it():

@@ -1,10 +1,13 @@
 """A request's samples -> its answer: one JSON body, or server-sent events (docs/design.md §10).
 
 Per sample a ChoiceText turns ids into text, cut at the stop strings; a sample that reaches a stop is
-ended at once. With echo (completions) a choice's text and tokens begin with its prompt's (their logprobs
-come with the sample's first event). Samples are numbered prompt-major (prompt p's sample j is
+ended at once, and the tokens the engine made after its stop token (before the abort reached it) count
+nowhere, in usage neither, so usage and every per-token list are the same whatever the step timing.
+With echo (completions) a choice's text and tokens begin with its prompt's (their logprobs come with the
+sample's first event). Samples are numbered prompt-major (prompt p's sample j is
 p * best_of + j). best_of > n: every sample runs to its end, and each prompt's n with the highest
-cumulative logprob (over their generated tokens) are returned; choice p * n + k is prompt p's k-th.
+cumulative logprob (over their kept tokens: at a stop, to its token) are returned; choice p * n + k is
+prompt p's k-th.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ class _Choices:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(text.generated for text in self.texts)
+        return sum(text.kept for text in self.texts)
 
 
 async def collect(samples: Samples, shape: Shape, request) -> Response:
@@ -87,8 +90,7 @@ async def stream(samples: Samples, shape: Shape, request):
     failed = False
     try:
         async for index, event in samples.events(request, poll=False):
-            if done[index]:  # a sample already ended at a stop string: its last tokens count in usage only
-                choices.feed(index, event)
+            if done[index]:  # a sample already ended at a stop string: what the engine made after it is dropped
                 continue
             if event.finished and event.finish_reason == "error":
                 samples.abort()

@@ -1,10 +1,13 @@
 """One choice (sample) of a response as its tokens arrive: text, tokens and logprobs (docs/design.md §10).
 
 Generated ids are detokenized one token at a time and cut at the first stop string (stops.py). A token is
-released together with the text it completes: one whose text the stop matcher still holds back waits, and
-at a stop the tokens whose text ends past the cut are dropped (so `tokens` and `text_offset` describe the
-returned text). The first bytes of a multi-byte character release no text of their own: they share the
-offset of the character their last byte completes.
+released together with the text it completes: one whose text the stop matcher still holds back waits. A
+choice ends at the token whose text completes a stop string, as the public servers count it: that token and
+every one before it are kept (in `tokens`, the logprobs, `token_ids` and usage; those inside the stop string
+have text offsets at or past the cut text's end), and the tokens the engine made after it, before the abort
+reached it, are dropped, so what a request returns does not depend on step timing. The first bytes of a
+multi-byte character release no text of their own: they share the offset of the character their last byte
+completes.
 
 Token strings in logprobs: a byte < 0x80 is its character, a special id its name, a byte >= 0x80 (part of
 a UTF-8 character) "bytes:\\xNN", so that the keys of a completions top_logprobs object never collide.
@@ -39,27 +42,28 @@ class ChoiceText:
         self._decoded = 0  # characters detokenized so far
         self._released = 0  # characters released so far
         self._pending: list[tuple[int, TokenLogprob | None, int, int]] = []  # id, logprob, start, end
-        self.generated = 0  # every generated token fed, released or not (usage counts what the engine made)
-        self.cumulative_logprob = 0.0
+        self.kept = 0  # tokens of this choice: every one fed, up to and including the one that completed a stop
+        self.cumulative_logprob = 0.0  # over the kept tokens
 
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
 
     def feed(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> Released:
-        """New ids (and their logprobs, [] when not asked for) -> what can go to the client now."""
-        self.generated += len(token_ids)
-        if self.stopped:
-            return Released()
-        pieces = []
+        """New ids (and their logprobs, [] when not asked for) -> what can go to the client now. Ids past the
+        one that completed a stop string (made before the abort reached the engine) are ignored."""
+        text = []
         for i, token_id in enumerate(token_ids):
+            if self.stopped:
+                break
             logprob = logprobs[i] if logprobs else None
+            self.kept += 1
             self.cumulative_logprob += logprob.logprob if logprob else 0.0
             piece = self._detokenizer.feed([token_id])
-            pieces.append(piece)
             self._pending.append((token_id, logprob, self._decoded, self._decoded + len(piece)))
             self._decoded += len(piece)
-        return self._release(self._stops.feed("".join(pieces)))
+            text.append(self._stops.feed(piece))  # token by token: the one that completes a stop is known
+        return self._release("".join(text))
 
     def finish(self) -> Released:
         """At the end of the request: an unfinished character, the held-back tail, every token left."""
@@ -77,12 +81,14 @@ class ChoiceText:
         return released
 
     def _release(self, text: str) -> Released:
+        """text: newly released characters -> it, with the tokens whose text it completes (at a stop: every
+        token left, the last of them the one that completed the stop)."""
         self._released += len(text)
-        count = 0
+        count = len(self._pending) if self.stopped else 0
         while count < len(self._pending) and self._pending[count][3] <= self._released:
             count += 1
         out = [(t, lp, self._offset + start) for t, lp, start, _ in self._pending[:count]]
-        self._pending = [] if self.stopped else self._pending[count:]  # at a stop the rest runs past the cut
+        self._pending = self._pending[count:]
         return Released(text, out)
 
 

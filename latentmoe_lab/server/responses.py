@@ -9,7 +9,8 @@
         logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [k of {"token", "logprob", "bytes"}]}]}
 
 "token_ids" (the generated ids a choice's text came from) is an extension; OpenAI clients keep unknown fields.
-usage counts each prompt once and every generated token of every sample (best_of ones too).
+usage counts each prompt once and every sample's tokens (best_of ones too) up to its end: at a stop string, up
+to and including the token that completed it, the same tokens its logprobs and "token_ids" list.
 """
 from __future__ import annotations
 
