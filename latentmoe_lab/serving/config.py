@@ -82,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from latentmoe_lab.config_fields import check_field_types, describe, key_name
+from latentmoe_lab.serving.spec.section import SpeculativeSection, check_speculative
 from latentmoe_lab.yaml_loader import errors_name_file, file_label, read_yaml_file
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -89,8 +90,6 @@ CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
 MIN_MODEL_LEN = 2  # one prompt token and one generated token
 MIN_GROUP_TIMEOUT_S = 0.1  # shorter, and a worker group cannot even form (gloo's rendezvous takes longer)
 MAX_LOG_RECORDS = 1_000_000  # Engine.log's records take a few hundred bytes each: a few hundred MB at most
-SPEC_METHODS = ("ngram", "mtp")
-MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclass
@@ -151,24 +150,6 @@ class EplbSection:
     window_steps: int = 32
     rebalance_interval_steps: int = 64
     layers_per_step: int = 1
-
-
-@dataclass
-class SpeculativeSection:
-    method: str | None = None  # None: off
-    num_speculative_tokens: int | None = None
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None
-
-    @property
-    def lookup_range(self) -> tuple[int, int]:
-        """(prompt_lookup_min, prompt_lookup_max) of the n-gram drafter, defaults filled in."""
-        low = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
-        return low, max(4, low) if self.prompt_lookup_max is None else self.prompt_lookup_max
 
 
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
@@ -270,7 +251,7 @@ class ServiceConfig:
                f"must be an integer >= 0, got {describe(e.num_redundant_experts)}")
         _check(not e.enabled or p.expert_parallel_size > 1, "eplb.enabled",
                "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
-        _check_speculative(self.speculative)
+        check_speculative(self.speculative)
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")
@@ -309,29 +290,6 @@ def _section_from_dict(section_cls, values: dict[str, Any], section: str):
         if key not in known:
             raise ValueError(f"{section}.{key_name(key)}: unknown key; expected some of {known}")
     return section_cls(**values)  # types and ranges: validate()
-
-
-def _check_speculative(spec: SpeculativeSection) -> None:
-    """The speculative: section on its own; what needs the model (an MTP head) is checked at engine start."""
-    if spec.method is None:
-        given = [key for key, value in asdict(spec).items() if value is not None]
-        _check(not given, "speculative.method", f"required when the section sets {given[0] if given else ''} "
-               f"(one of {list(SPEC_METHODS)}; leave the section out for no speculative decoding)")
-        return
-    _choice("speculative.method", spec.method, SPEC_METHODS)
-    k = spec.num_speculative_tokens
-    _check(k is not None, "speculative.num_speculative_tokens", f"required with speculative.method "
-           f"(draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS})")
-    _check(1 <= k <= MAX_SPECULATIVE_TOKENS, "speculative.num_speculative_tokens",
-           f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {describe(k)}")
-    for key in ("prompt_lookup_min", "prompt_lookup_max"):
-        value = getattr(spec, key)
-        _check(value is None or spec.method == "ngram", f"speculative.{key}",
-               f"only with method ngram (the method is {spec.method})")
-        _check(value is None or value >= 1, f"speculative.{key}", f"must be an integer >= 1, got {describe(value)}")
-    low, high = spec.lookup_range
-    _check(low <= high, "speculative.prompt_lookup_max",
-           f"({high}) must be >= speculative.prompt_lookup_min ({low})")
 
 
 def _positive_int(path: str, value: int) -> None:

@@ -1,9 +1,9 @@
 """From the service file's `speculative:` section to a drafter, and what the engine accepts at start."""
 from __future__ import annotations
 
-from latentmoe_lab.serving.config import SpeculativeSection
 from latentmoe_lab.serving.spec.drafters import Drafter, NgramDrafter
 from latentmoe_lab.serving.spec.mtp_drafter import MTPDrafter
+from latentmoe_lab.serving.spec.section import SpeculativeSection
 
 
 def make_drafter(spec: SpeculativeSection, model) -> Drafter | None:
