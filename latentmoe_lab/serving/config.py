@@ -1,6 +1,6 @@
 """ServiceConfig: the YAML file that describes one serving deployment (docs/design.md §6.1).
 
-Five sections, the keys of the public example first, then ours where the example is silent:
+Six sections, the keys of the public example first, then ours where the example is silent:
 
     model:
       name                  str    label only (not empty)
