@@ -171,6 +171,17 @@ def test_a_collective_past_the_group_timeout_names_the_rank_the_collective_and_t
     assert "did not return within the group timeout" in message and "Timed out waiting 2000ms" in message
 
 
+def _finishes_late_on_rank_0():
+    init_distributed(2)  # the group timeout: 2 s
+    if int(os.environ["RANK"]) == 0:
+        time.sleep(5)  # an export or a sample after the last collective
+    return int(os.environ["RANK"])
+
+
+def test_the_end_of_run_wait_is_bounded_by_the_run_timeout_not_the_group_timeout():
+    assert launch(_finishes_late_on_rank_0, 2, timeout_s=60) == [0, 1]
+
+
 AFTER_FAILED_LAUNCHES = """
 import gc, os, time
 from latentmoe_lab.parallel.launch import RankFailure, launch

@@ -128,7 +128,8 @@ def _run(settings: TrainSettings, layout: NativeLayout, init_from: str | None, p
 
                 history.sample = greedy_sample(LatentMoEForCausalLM.from_pretrained(out / EXPORT_DIR),
                                                settings.sample_tokens)
-        dist.barrier()
+    # No barrier: the other ranks would wait in a collective, bounded by the group timeout, for as long as rank
+    # 0 exports and samples. The launcher holds every rank until all have returned (parallel/launch.py).
     if main and out is not None:
         write_outputs(out, history, settings, config)
     return asdict(history)

@@ -121,7 +121,10 @@ class _RankEntry:
             result = self.fn(*args)
             torch.save(result, run_dir / f"{rank}.result")
             if dist.is_initialized():
-                dist.barrier()  # nobody leaves while a peer may still need it
+                # nobody leaves while a peer may still need it. Waiting in a collective would be bounded by the
+                # group timeout, and rank 0 may export, sample or write a report for longer than that.
+                _wait_for_siblings(run_dir, world, timeout_s, marker="result")
+                dist.barrier()
                 dist.destroy_process_group()
         except BaseException as error:
             named = named_collective_failure(error, rank)
@@ -161,19 +164,22 @@ def _start(entry: _RankEntry, args: tuple, nproc: int, port: int, start_method: 
     elastic_launch(config=config, entrypoint=entry)(*args)
 
 
-def _wait_for_siblings(run_dir: Path, world: int, timeout_s: float) -> None:
-    """Touch no socket until every rank has been forked.
+def _wait_for_siblings(run_dir: Path, world: int, timeout_s: float, marker: str = "started") -> None:
+    """Wait, polling the run folder, until every rank has written its `marker` file.
 
-    A fork copies the parent's locks in whatever state they are in. While rank 0 connects to the
-    launcher's rendezvous store, the store's server thread in the parent holds glibc's resolver
-    lock (getnameinfo); a rank forked at that instant inherits it locked and hangs in its own
-    first getnameinfo. Once every rank exists, nothing is forked any more and the lock is safe.
+    "started": touch no socket until every rank has been forked. A fork copies the parent's locks in
+    whatever state they are in. While rank 0 connects to the launcher's rendezvous store, the store's
+    server thread in the parent holds glibc's resolver lock (getnameinfo); a rank forked at that instant
+    inherits it locked and hangs in its own first getnameinfo. Once every rank exists, nothing is forked
+    any more and the lock is safe.
+    "result": every rank has returned, whatever time that took (bounded by `timeout_s`, the run's).
     """
     deadline = time.monotonic() + timeout_s
-    while sum((run_dir / f"{r}.started").exists() for r in range(world)) < world:
+    while sum((run_dir / f"{r}.{marker}").exists() for r in range(world)) < world:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"launch: not every one of {world} ranks started within {timeout_s}s")
-        time.sleep(0.005)
+            raise RuntimeError(f"launch: not every one of {world} ranks wrote its {marker!r} marker "
+                               f"within {timeout_s}s")
+        time.sleep(0.005 if marker == "started" else 0.05)
 
 
 def launch(fn, nproc: int, args: tuple = (), timeout_s: float = 120.0, start_method: str | None = None) -> list:
