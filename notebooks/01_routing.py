@@ -49,7 +49,7 @@ from latentmoe_lab.training.balance import balance_config, compare_balancing
 from latentmoe_lab.viz import expert_load_figure
 from latentmoe_lab.viz import routing as viz
 from latentmoe_lab.workloads import WORKLOADS, make_workload
-from latentmoe_lab.viz.notebook import use_notebook_renderer
+from latentmoe_lab.viz.notebook import explorer, use_notebook_renderer
 
 use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 # The models here are small: on a small shared CPU, extra threads cost more than they bring.
@@ -261,8 +261,9 @@ for title, points in (("iso-communication (E and K grow with alpha)", iso), ("fi
 # Read the iso-communication table: payload, FLOPs and total expert bytes per layer stay where they are,
 # while each expert gets alpha-times smaller and there are alpha-times more of them to choose from (more
 # combinations per token). What alpha buys is quality per byte; what it costs is a W_down / W_up pair
-# ($4 d l$ FLOPs per token) and smaller, less efficient expert matmuls. Move the slider (bars are relative
-# to alpha = 1; the log axis makes "unchanged" a bar of height 1).
+# ($4 d l$ FLOPs per token) and smaller, less efficient expert matmuls. In JupyterLab, move the slider above
+# the figure (an exported page shows the full model's alpha = 2). Bars are relative to alpha = 1; the log
+# axis makes "unchanged" a bar of height 1.
 
 # %%
 def explore_alpha(alpha=2, same_communication=True):
@@ -270,12 +271,10 @@ def explore_alpha(alpha=2, same_communication=True):
     label = "iso-communication" if same_communication else "fixed E, K"
     return viz.latent_tradeoff_figure(points, selected_alpha=alpha, title=f"alpha = {alpha} ({label})")
 
-
-viz.latent_tradeoff_figure(iso, selected_alpha=full.hidden_size // full.moe.latent_size)
-
 # %%
-ipywidgets.interactive(explore_alpha, alpha=ipywidgets.SelectionSlider(options=[1, 2, 4, 8], value=2),
-                       same_communication=True)
+explorer(explore_alpha, alpha=ipywidgets.SelectionSlider(options=[1, 2, 4, 8], description="alpha",
+                                                         value=full.hidden_size // full.moe.latent_size),
+         same_communication=ipywidgets.Checkbox(value=True, description="same communication"))
 
 # %% [markdown]
 # ## 7. 896 experts, top-16, under expert parallelism

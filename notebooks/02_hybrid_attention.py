@@ -56,7 +56,7 @@ from latentmoe_lab.ops.sparse_attention import select_topk
 from latentmoe_lab.training.indexer import (indexer_scores_and_target, peaked_layer, synthetic_hidden_states,
                                             topk_recall, train_indexer)
 from latentmoe_lab.viz import attention as viz
-from latentmoe_lab.viz.notebook import use_notebook_renderer
+from latentmoe_lab.viz.notebook import explorer, use_notebook_renderer
 
 use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 torch.set_num_threads(1)  # small layers on a small shared CPU: extra threads cost more than they bring
@@ -331,6 +331,6 @@ def explore(context_log2: int = 20, kda_per_dsa: str = "3"):
     return viz.hybrid_breakdown_figure(hybrid_cost(full, 2 ** context_log2, ratio))
 
 
-ipywidgets.interactive(explore, context_log2=ipywidgets.IntSlider(value=20, min=12, max=20, description="log2 S"),
-                       kda_per_dsa=ipywidgets.Dropdown(options=["0", "1", "2", "3", "5", "7", "15", "all KDA"],
-                                                       value="3", description="KDA : DSA"))
+explorer(explore, context_log2=ipywidgets.IntSlider(value=20, min=12, max=20, description="log2 S"),
+         kda_per_dsa=ipywidgets.Dropdown(options=["0", "1", "2", "3", "5", "7", "15", "all KDA"], value="3",
+                                         description="KDA : DSA"))

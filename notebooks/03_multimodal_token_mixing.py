@@ -42,7 +42,7 @@ from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab import multimodal as mm
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.viz import multimodal as viz
-from latentmoe_lab.viz.notebook import use_notebook_renderer
+from latentmoe_lab.viz.notebook import explorer, use_notebook_renderer
 
 use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 # The tiny model's matrices are small: on a small shared CPU, extra threads cost more than they bring.
@@ -290,7 +290,8 @@ def explore(height=112, width=168):
                                        f"{format_bytes(cost.cache_bytes)} of cache")
 
 
-ipywidgets.interactive(explore, height=(28, 224, 28), width=(28, 224, 28))
+explorer(explore, height=ipywidgets.IntSlider(value=112, min=28, max=224, step=28, description="height"),
+         width=ipywidgets.IntSlider(value=168, min=28, max=224, step=28, description="width"))
 
 # %% [markdown]
 # ## Try it with your own image

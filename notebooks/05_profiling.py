@@ -133,7 +133,8 @@ from latentmoe_lab.profiling.summary import trace_summary, write_trace_summary
 from latentmoe_lab.profiling.workloads import decode_step, prefill_step
 
 # smoke runs (the tests) write to a temporary folder; a full run keeps its traces next to this notebook
-trace_dir = Path(tempfile.mkdtemp(prefix="latentmoe-05-")) if SMOKE else Path("reports/profile").resolve()
+# (notebooks/reports/profile; printed relative to it, so the saved output names no folder of this machine)
+trace_dir = Path(tempfile.mkdtemp(prefix="latentmoe-05-")) if SMOKE else Path("reports/profile")
 steps = {"prefill": prefill_step(model, 1, TRACE_LEN), "decode": decode_step(model, 1, TRACE_LEN)}
 summaries = {}
 for phase, step in steps.items():
@@ -141,7 +142,7 @@ for phase, step in steps.items():
     recorded = load_chrome_trace(path)  # parses the file and runs validate_chrome_trace on it
     summaries[phase] = trace_summary(recorded, row_limit=8)
     html = write_trace_summary(path, path.with_suffix("").with_suffix(".html"), f"{PRESET} {phase}")
-    print(f"{phase}: {path} ({path.stat().st_size / 2 ** 20:.1f} MiB, {len(recorded['traceEvents'])} events, "
+    print(f"{phase}: {path if not SMOKE else path.name} ({path.stat().st_size / 2 ** 20:.1f} MiB, {len(recorded['traceEvents'])} events, "
           f"valid); HTML summary {html.name}")
 print("\nopen a trace in chrome://tracing (Load) or https://ui.perfetto.dev (Open trace file)")
 

@@ -60,7 +60,7 @@ from latentmoe_lab.training.lm import TrainSettings, train
 from latentmoe_lab.viz.notebook import use_notebook_renderer
 
 use_notebook_renderer()
-torch.manual_seed(0)
+_ = torch.manual_seed(0)
 
 # %% [markdown]
 # ## 0. The reference: a trained model
@@ -79,7 +79,8 @@ if not checkpoint.is_absolute() and not checkpoint.exists():
 if checkpoint.is_dir() and not SMOKE:
     saved = json.loads((checkpoint / "trainer.json").read_text())
     settings = saved["settings"]
-    print(f"reference: the checkpoint {checkpoint} ({settings['preset']}, {saved['step']} steps, the run's own "
+    shown = checkpoint if not checkpoint.is_absolute() else Path("…", *checkpoint.parts[-2:])  # no local folders
+    print(f"reference: the checkpoint {shown} ({settings['preset']}, {saved['step']} steps, the run's own "
           f"held-out evaluation {saved['history']['eval'][-1][2]:.3f} bits per byte on rows of {settings['seq_len']})")
 else:
     settings = dict(preset="tiny", steps=40 if SMOKE else 200, batch=4, seq_len=64, lr=3e-3, warmup=4,
@@ -93,7 +94,8 @@ else:
     checkpoint = out / "checkpoint"
 model = LatentMoEForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 config = model.config
-corpus = load_corpus(settings.get("corpus_root"), settings.get("held_out_fraction", 0.02))
+corpus = load_corpus(settings.get("corpus_root"), settings.get("held_out_fraction", 0.02), verbose=False)
+print(corpus.summary().replace(corpus.root, f"…/{Path(corpus.root).name}"))
 held_rows = pack(corpus.held_out.long(), ALIGN_LEN)
 
 
