@@ -57,9 +57,10 @@ def _progress_printer():
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    from latentmoe_lab.report import write_html_report
+    from latentmoe_lab.report import check_report_path, write_html_report
     from latentmoe_lab.smoke import report_sections, run_smoke
 
+    check_report_path(args.report, "--report")  # before the run, not after it
     progress = _progress_printer()
     report = run_smoke(args.preset, args.prompt, args.new_tokens, args.seed, progress=progress, image=args.image,
                        threads=args.threads, repeats=args.repeats)

@@ -320,6 +320,7 @@ def _early_refusals(tmp_path):
         "bench rate": ([*bench, "--rate", "nan"], "--rate: must be a finite number > 0"),
         "bench tokens": ([*bench, "--max-tokens", "5000"], "--max-tokens: must be >= 1 and below"),
         "bench report under a file": ([*bench, "--report", str(a_file / "x.html")], "is a file, not a directory"),
+        "smoke report is a directory": (["smoke", "--report", str(tmp_path)], f"--report: '{tmp_path}' is a directory"),
         "profile device": (["profile", "--device", "nodevice"], "--device: Expected one of cpu"),
         "profile out is a file": (["profile", "--out", str(a_file)], "--out:"),
     }
