@@ -7,9 +7,16 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from latentmoe_lab.layers.moe import LatentExperts, LatentMoE
+from latentmoe_lab.parallel.comm import Comm
+from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.eplb import rebalance_experts
 from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder
-from latentmoe_lab.parallel.eplb_serving import (ExpertSlots, OnlineBalancer, choose_replicas,
+from latentmoe_lab.parallel.eplb_serving import (ExpertSlots, OnlineBalancer, check_placement, choose_replicas,
                                                  choose_replicas_reference, slot_tables)
+from latentmoe_lab.parallel.launch import launch
+from latentmoe_lab.parallel.mesh import ProcessMesh, init_distributed
+from latentmoe_lab.parallel.runs import RunSettings, build_reference
+from latentmoe_lab.parallel.sharded import parallelize
 from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.serving import Engine, ServiceConfig
 from latentmoe_lab.training.lm import TrainSettings, train
@@ -159,3 +166,29 @@ def test_metrics_export_balancedness_and_per_expert_tokens():
     assert samples[("latentmoe_expert_tokens_total", (("expert", "0"), ("layer", "0")))] == 5
     assert samples[("latentmoe_expert_tokens_total", (("expert", "1"), ("layer", "1")))] == 4
     assert samples[("latentmoe_eplb_bytes_moved_total", ())] == 300
+
+
+def _replicated_layout_worker(placement):
+    """Per rank: the hand-written EP2 layout with EPLB slots against the single-device logits and tokens."""
+    _, device = init_distributed(20)
+    model, prompt = build_reference(RunSettings(batch=2, seq_len=12))
+    with torch.no_grad():
+        expected = model(prompt).logits
+    expected_tokens = model.generate(prompt, max_new_tokens=3)
+    sharded = parallelize(model, Comm(ProcessMesh(ParallelConfig(ep=2), device)), placement)
+    local = sharded.local_inputs(prompt)
+    logits = sharded.gather_logits(sharded(local), local.shape[0], local.shape[1])
+    tokens = sharded.generate(prompt, 3)
+    return {"error": float((logits - expected).abs().max()), "tokens_equal": bool(torch.equal(tokens, expected_tokens))}
+
+
+def test_the_hand_written_ep_layout_runs_on_an_eplb_placement():
+    weight = torch.tensor([[40.0, 1, 1, 1, 1, 1, 1, 30]]).repeat(3, 1)  # experts 0 and 7 hot in every MoE layer
+    placement = rebalance_experts(weight, 12, 1, 1, 2)[0]
+    assert (torch.stack([torch.bincount(row, minlength=8) for row in placement])[:, [0, 7]] > 1).all()
+    for result in launch(_replicated_layout_worker, 2, args=(placement,), timeout_s=120):
+        assert result["error"] <= 1e-5 and result["tokens_equal"]
+    with pytest.raises(ValueError, match="^placement:"):
+        check_placement(placement[:, :11], 3, 8, 2)
+    with pytest.raises(ValueError, match="^placement:"):
+        check_placement(torch.zeros(3, 12, dtype=torch.int64), 3, 8, 2)

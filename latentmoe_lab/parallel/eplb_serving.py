@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from latentmoe_lab.layers.moe import LatentExperts
+from latentmoe_lab.layers.moe import LatentExperts, LatentMoE
 from latentmoe_lab.parallel.comm import Comm
 from latentmoe_lab.parallel.eplb import rebalance_experts
 from latentmoe_lab.parallel.expert import AllToAllDispatcher
@@ -112,6 +112,29 @@ class ReplicatedDispatcher(AllToAllDispatcher):
     def dispatch_async(self, z: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None = None):
         physical = choose_replicas(indices, self.slots.log2phy, self.slots.logcnt, self.ep_index, self.local_experts)
         return super().dispatch_async(z, physical, weights)
+
+
+def check_placement(placement: torch.Tensor, num_layers: int, num_experts: int, ep: int) -> None:
+    """ValueError naming `placement` unless it is [num_layers, P] int64 with P divisible by ep and every
+    expert in every layer at least once."""
+    if not isinstance(placement, torch.Tensor) or placement.dim() != 2 or placement.shape[0] != num_layers \
+            or placement.dtype != torch.int64 or placement.shape[1] % ep:
+        shape = tuple(placement.shape) if isinstance(placement, torch.Tensor) else type(placement).__name__
+        raise ValueError(f"placement: expected int64 [MoE layers={num_layers}, slots] with slots divisible by "
+                         f"ep={ep}, got {shape}")
+    if placement.min() < 0 or placement.max() >= num_experts or any(
+            len(row.unique()) != num_experts for row in placement):
+        raise ValueError(f"placement: every slot must hold an expert in [0, {num_experts}) and every expert "
+                         f"a slot, in every layer")
+
+
+def replicate_layer(layer: LatentMoE, placement: torch.Tensor, comm: Comm) -> tuple[ExpertSlots, ReplicatedDispatcher]:
+    """Give `layer` this rank's slots of its placement row [P] (in place: layer.experts) -> (slots, dispatcher)."""
+    mesh = comm.mesh
+    slots = ExpertSlots(layer.experts, placement, mesh.index("ep"), mesh.pconfig.ep, mesh.index("tp"),
+                        mesh.pconfig.tp)
+    layer.experts = slots.experts
+    return slots, ReplicatedDispatcher(comm, slots)
 
 
 class OnlineBalancer:

@@ -30,6 +30,7 @@ from latentmoe_lab.config import KDA
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.parallel.comm import Comm, PendingTensor
 from latentmoe_lab.parallel.context import ContextParallelDSA, ContextParallelKDA
+from latentmoe_lab.parallel.eplb_serving import check_placement, replicate_layer
 from latentmoe_lab.parallel.expert import AllToAllDispatcher, ParallelMoE, expert_range
 from latentmoe_lab.parallel.mesh import data_shard
 from latentmoe_lab.parallel.pipeline import partition_layers
@@ -37,8 +38,10 @@ from latentmoe_lab.parallel.sequence import SequenceLayout, gather_sequence, sha
 from latentmoe_lab.parallel.tensor import TensorParallel, shard_dsa, shard_experts, shard_kda, shard_swiglu
 
 
-def parallelize(model: LatentMoEForCausalLM, comm: Comm) -> "ShardedCausalLM":
-    """This rank's share of `model` under the layout of `comm.mesh`."""
+def parallelize(model: LatentMoEForCausalLM, comm: Comm, placement: torch.Tensor | None = None) -> "ShardedCausalLM":
+    """This rank's share of `model` under the layout of `comm.mesh`. placement: an EPLB expert placement
+    [MoE layers, P] (phy2log of parallel/eplb.py): each MoE layer then holds this rank's P / ep slots and
+    sends every (token, expert) pair to one replica (parallel/eplb_serving.py); inference only."""
     if not isinstance(model, LatentMoEForCausalLM):
         raise TypeError(f"model: expected a LatentMoEForCausalLM, got {type(model).__name__}")
     mesh, pconfig, config = comm.mesh, comm.mesh.pconfig, model.config
@@ -47,6 +50,9 @@ def parallelize(model: LatentMoEForCausalLM, comm: Comm) -> "ShardedCausalLM":
     layout, pending_sends = SequenceLayout(), []
     tp, tp_index = pconfig.tp, mesh.index("tp")
     experts = expert_range(config.moe.num_experts, pconfig.ep, mesh.index("ep"))
+    if placement is not None:
+        check_placement(placement, sum(map(config.is_moe_layer, range(config.num_layers))), config.moe.num_experts,
+                        pconfig.ep)
     blocks = nn.ModuleList()
     for i in stages[mesh.index("pp")]:
         block = copy.deepcopy(model.layers[i])
@@ -63,13 +69,16 @@ def parallelize(model: LatentMoEForCausalLM, comm: Comm) -> "ShardedCausalLM":
                 block.ffn = TensorParallel(shard_swiglu(block.ffn, tp_index, tp), comm, layout, "tp.dense")
         elif pconfig.ep > 1 or tp > 1:
             layer = block.ffn
-            layer.experts = shard_experts(layer.experts, experts.start, len(experts), tp_index, tp)
+            if placement is None:
+                layer.experts = shard_experts(layer.experts, experts.start, len(experts), tp_index, tp)
+                dispatcher = AllToAllDispatcher(comm, config.moe.num_experts)
+            else:
+                _, dispatcher = replicate_layer(layer, placement[sum(map(config.is_moe_layer, range(i)))], comm)
             if layer.shared is not None and tp > 1:
                 # its own layout: the MoE wrapper has already gathered the sequence
                 layer.shared = TensorParallel(shard_swiglu(layer.shared, tp_index, tp), comm, SequenceLayout(),
                                               "tp.moe_shared")
-            block.ffn = ParallelMoE(layer, AllToAllDispatcher(comm, config.moe.num_experts), comm, layout,
-                                    pconfig.overlap)
+            block.ffn = ParallelMoE(layer, dispatcher, comm, layout, pconfig.overlap)
         blocks.append(block)
     first, last = mesh.is_first_stage, mesh.is_last_stage
     return ShardedCausalLM(model, comm, stages, blocks, layout, pending_sends,

@@ -45,7 +45,7 @@ from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.parallel.comm import Comm, CollectiveError
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.eplb_load import moe_layers
-from latentmoe_lab.parallel.eplb_serving import ExpertSlots, ReplicatedDispatcher
+from latentmoe_lab.parallel.eplb_serving import replicate_layer
 from latentmoe_lab.parallel.expert import AllToAllDispatcher, ParallelMoE, expert_range
 from latentmoe_lab.parallel.mesh import ProcessMesh, coords_rank
 from latentmoe_lab.parallel.sequence import SequenceLayout
@@ -161,9 +161,7 @@ def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm, layers: range,
             dispatcher = AllToAllDispatcher(comm, config.moe.num_experts)
         else:
             position = sum(config.is_moe_layer(i) for i in range(index))
-            slots = ExpertSlots(layer.experts, placement[position], mesh.index("ep"), pconfig.ep, tp_index, tp)
-            layer.experts, dispatcher = slots.experts, ReplicatedDispatcher(comm, slots)
-            model.expert_slots[position] = slots
+            model.expert_slots[position], dispatcher = replicate_layer(layer, placement[position], comm)
         if layer.shared is not None and tp > 1:
             layer.shared = TensorParallel(shard_swiglu(layer.shared, tp_index, tp), comm, whole, "tp.moe_shared")
         block.ffn = ParallelMoE(layer, dispatcher, comm, whole, pconfig.overlap)
