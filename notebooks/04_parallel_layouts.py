@@ -45,6 +45,8 @@ NEW_TOKENS = 3 if SMOKE else 8         # greedy tokens decoded by every layout
 NPROC = 4                              # processes per launch (2 CPU cores here: keep it small)
 
 # %%
+import inspect
+
 import ipywidgets
 import torch
 from collections import Counter
@@ -57,7 +59,7 @@ from latentmoe_lab.parallel.mesh import world_layout
 from latentmoe_lab.parallel.offload import dispatch_with_offload, full_scale_device_map, offload_experts
 from latentmoe_lab.parallel.pipeline import partition_layers, simulate_schedule, stage_costs
 from latentmoe_lab.viz import parallel as viz
-from latentmoe_lab.viz.notebook import use_notebook_renderer
+from latentmoe_lab.viz.notebook import explorer, use_notebook_renderer
 
 use_notebook_renderer()  # figures also render in exported HTML and on GitHub
 torch.set_num_threads(1)
@@ -239,8 +241,11 @@ def explore(ep=64, tp=8, pp=4, dp=1, hardware="H100-80GB", mode="train", expert_
     return viz.memory_figure([pconfig.name()], [plan.memory.as_dict()], HARDWARE[hardware].usable_bytes)
 
 
-ipywidgets.interactive(explore, ep=[1, 2, 4, 8, 16, 32, 64, 128], tp=[1, 2, 4, 8], pp=[1, 2, 4, 8], dp=[1, 2, 4],
-                       hardware=list(HARDWARE), mode=["train", "serve"], expert_format=["bf16", "fp8", "mxfp4"])
+choices = dict(ep=[1, 2, 4, 8, 16, 32, 64, 128], tp=[1, 2, 4, 8], pp=[1, 2, 4, 8], dp=[1, 2, 4], hardware=list(HARDWARE),
+               mode=["train", "serve"], expert_format=["bf16", "fp8", "mxfp4"])
+starting = inspect.signature(explore).parameters  # each control starts at explore's default
+explorer(explore, **{name: ipywidgets.Dropdown(options=options, value=starting[name].default, description=name)
+                     for name, options in choices.items()})
 
 # %% [markdown]
 # ## 7. accelerate big-model placement and cold-expert offload
