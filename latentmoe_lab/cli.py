@@ -144,9 +144,17 @@ def add_parallel_parser(sub) -> None:
     par.set_defaults(func=cmd_parallel)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (`PROG: error: ...`, exit status 2) instead of the whole
+    usage block first; the subcommand parsers are of this class too (add_subparsers uses the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The parser with the commands in `full` complete (all of them when None), the rest by name and help only."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="latentmoe-lab",
         description="LatentMoE Lab: a readable reproduction of a 2.8T hybrid-attention sparse MoE "
                     "(Stable LatentMoE experts, 3 KDA : 1 Gated DSA attention).",

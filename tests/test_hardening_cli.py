@@ -338,6 +338,7 @@ def test_plan_service_refuses_an_unknown_preset_before_planning(capsys):
         cli.main(["plan-service", "configs/service-example.yaml", "--preset", "k3"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "invalid choice: 'k3'" in err and "planning" not in err
+    assert err.count("\n") == 1 and err.startswith("latentmoe-lab plan-service: error: argument --preset")
 
 
 def test_make_lab_keeps_allow_root_with_lab_args():
