@@ -158,6 +158,7 @@ def swap_in(tmp: Path, path: Path, carried_over: Callable[[str], bool] | None = 
     """Make the complete temporary `tmp` the directory `path`: old -> `path.previous`, tmp -> path, then the
     previous one and the marker are removed. carried_over(name): entries of the old directory to move into
     the new one (a README, a trainer log); None carries nothing over."""
+    _give_files_default_modes(tmp)
     _fsync_tree(tmp)
     previous = path.parent / f"{path.name}.previous"
     if path.exists():
@@ -181,6 +182,16 @@ def _remove(previous: Path) -> None:
         previous.unlink()
     elif previous.exists():
         shutil.rmtree(previous)
+
+
+def _give_files_default_modes(directory: Path) -> None:
+    """safetensors writes its files 0600; a checkpoint's files get the modes any file the user creates gets
+    (0666 less the umask), so a checkpoint shared on a machine or in a container is readable as usual."""
+    umask = os.umask(0)
+    os.umask(umask)  # reading the umask means setting it; put it back at once
+    for entry in directory.rglob("*"):
+        if entry.is_file() and not entry.is_symlink():
+            entry.chmod(0o666 & ~umask)
 
 
 def _fsync_tree(directory: Path) -> None:

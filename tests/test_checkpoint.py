@@ -39,6 +39,17 @@ def test_save_then_load_gives_identical_logits(trained_like, tmp_path):
     assert torch.equal(loaded.layers[1].ffn.correction_bias, trained_like.layers[1].ffn.correction_bias)
 
 
+def test_saved_files_get_the_users_default_modes(trained_like, tmp_path):
+    """safetensors writes 0600; a checkpoint's files are 0666 less the umask, like any file the user makes."""
+    old = os.umask(0o022)
+    try:
+        path = trained_like.save_pretrained(tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {entry.name: entry.stat().st_mode & 0o777 for entry in path.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes
+
+
 def test_sharded_save_writes_an_index_and_loads_back(trained_like, tmp_path):
     path = trained_like.save_pretrained(tmp_path / "ckpt", max_shard_size="200KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())
