@@ -28,7 +28,8 @@ demo: $(STAMP)
 # The trained model that `make demo` and `latentmoe-lab serve --config configs/service-cpu.yaml` use when it
 # exists: the mini preset trained on this interpreter's standard library, MODEL_STEPS steps on two processes of
 # one thread each (deterministic: one seed), then exported in bf16 with its training report and tokenizer files.
-# 400 steps reach 2.78 held-out bits per byte; the run costs ~430 s of CPU time, so ~3.6 min on 2 idle cores.
+# 400 steps reach 2.78 held-out bits per byte; the run costs ~430 s of CPU time (~3.6 min on 2 idle cores; 5 min
+# 46 s measured on a shared 2-core VM at load average 3-4), and two runs give bit-identical weights.
 MODEL_DIR ?= checkpoints/mini-stdlib
 MODEL_STEPS ?= 400
 model: $(STAMP)
