@@ -192,6 +192,7 @@ def test_export_safetensors_then_from_pretrained(saved, tmp_path):
         print(f"export ({limit}) -> from_pretrained: max |logit diff| = {error:.3g}")
         assert error <= 1e-5
     assert len(list((tmp_path / "export-200000").glob("model-*.safetensors"))) > 1
+    assert (tmp_path / "export-2GB" / "tokenizer.json").is_file()  # like save_pretrained (tokenizer_files.py)
 
 
 def test_every_file_is_safetensors_or_json_by_its_bytes(saved):

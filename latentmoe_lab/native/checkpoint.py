@@ -56,6 +56,7 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.native.build import NativeModel, load_local_shards
 from latentmoe_lab.native.checkpoint_files import (RESERVED_NAMES, FORMAT, MANIFEST_NAME, MODEL_DIR, OPTIMIZER_DIR,
                                                    OPTIMIZER_JSON, SHARDED, check_sharded)
+from latentmoe_lab.tokenizer_files import write_tokenizer_files
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -250,6 +251,7 @@ def export_safetensors(directory: str | Path, out_dir: str | Path, max_shard_siz
     shards = shard_state_dict(skeleton, parse_size(max_shard_size))
     with writing_temporary(out_dir) as tmp:
         (tmp / CONFIG_NAME).write_text(config.to_json())
+        write_tokenizer_files(tmp, config.max_position_embeddings)
         weight_map, total = {}, 0
         for k, shard in enumerate(shards, start=1):
             tensors = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shard.items()}
