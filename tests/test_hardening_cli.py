@@ -343,9 +343,10 @@ def test_plan_service_refuses_an_unknown_preset_before_planning(capsys):
 
 def test_make_lab_keeps_allow_root_with_lab_args():
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(["make", "-n", "-o", ".venv/.installed", "lab", "LAB_ARGS=--no-browser --port 8899"],
+    done = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "lab",
+                           "LAB_ARGS=--no-browser --port 8899"],
                           cwd=root, capture_output=True, text=True, check=True)
-    command = done.stdout.strip().splitlines()[-1]
+    command = next(line for line in done.stdout.splitlines() if "jupyter lab" in line)
     assert "--no-browser --port 8899" in command
     assert ("--allow-root" in command) == (os.geteuid() == 0)
 

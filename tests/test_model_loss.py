@@ -67,7 +67,7 @@ def test_aux_loss_is_the_scaled_sum_of_balance_and_z_losses(tiny_config):
         _, indices = layer.select_experts(logits)
         balance = sequence_aux_loss_reference(logits.view(2, 7, -1), indices.view(2, 7, -1), alpha=0.01)
         z = torch.logsumexp(logits.double(), -1).square().mean()
-        expected += float(balance) + 1e-3 * float(z)
+        expected += balance.item() + 1e-3 * z.item()
     assert len(captured) == config.num_layers - config.first_dense_layers
     assert out.aux_loss.item() == pytest.approx(expected, rel=1e-5)
     out.aux_loss.backward()

@@ -20,7 +20,7 @@ def good_reference(model):
     return [model.generate(torch.tensor([p]), 3)[0, len(p):].tolist() for p in GOOD]
 
 
-@pytest.mark.parametrize("params", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0),
+@pytest.mark.parametrize("params", [dict(max_tokens=-1), dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(seed=-2), dict(stop_token_ids=[-1]),
                                     dict(temperature=float("nan"))])
 def test_bad_sampling_params_name_the_field(params):
@@ -113,8 +113,8 @@ def test_engine_refuses_configs_it_cannot_serve(model):
         Engine(model, ServiceConfig.from_dict(base | {"parallel": {"tensor_parallel_size": 3}}))
     with pytest.raises(ValueError, match="model.max_model_len"):
         Engine(model, ServiceConfig.from_dict(base | {"model": {"max_model_len": 10**6}}))
-    with pytest.raises(ValueError, match="memory.cache_bytes"):
-        Engine(model, ServiceConfig.from_dict(base | {"memory": {"max_num_seqs": 4}}))
+    with pytest.raises(ValueError, match="memory.cache_bytes"):  # a budget that cannot hold one sequence
+        Engine(model, ServiceConfig.from_dict(base | {"memory": {"cache_bytes": 1000, "max_num_seqs": 4}}))
     with pytest.raises(ValueError, match="model.dtype: the config says bf16"):
         Engine(model, ServiceConfig.from_dict(base | {"model": {"max_model_len": 64, "dtype": "bf16"}}))
     with pytest.raises(TypeError, match="service_config"):

@@ -76,7 +76,9 @@ class NonFiniteGuard:
         modules = [(name, module) for name, module in model.named_modules() if name]
         for name, module in modules:
             self._handles.append(module.register_forward_hook(self._forward_hook(name)))
-            if check_backward:
+            # An embedding takes integer ids: it has no input gradient to check (torch warns that such hooks
+            # fire on outputs), and its output gradient is the next module's input gradient, checked there.
+            if check_backward and not isinstance(module, nn.Embedding):
                 self._handles.append(module.register_full_backward_pre_hook(self._grad_out_hook(name)))
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
         if check_backward:
