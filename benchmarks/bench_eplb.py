@@ -11,6 +11,9 @@ SERVE_128K at EP64 (8 nodes of 8):
     R = 0     rebalance_experts with no redundant slot (balanced packing alone)
     R = 64    one redundant slot per rank; R = 128 two
 
+"refined" rows use rebalance_experts(refine=True) (packing-aware replica counts, docs/design.md §14), as
+the serving balancer does; R = 64 also runs with the public balancer alone ("plain") to compare.
+
 balancedness = mean / max tokens per rank, per layer, averaged over the 92 layers (parallel/eplb_load.py);
 the step times are the planner's for the busiest EP rank of every layer (parallel/eplb_plan.py: its experts
 get max / mean x the average routed pairs) with the fullest rank's expert slots in memory. 896 + 32 slots
@@ -45,7 +48,8 @@ from latentmoe_lab.parallel.hardware import HARDWARE, SERVE_128K
 from latentmoe_lab.parallel.planner import plan_layout
 from latentmoe_lab.workloads import WORKLOADS
 
-VARIANTS = [(64, None), (64, 0), (64, 64), (64, 128), (32, None), (32, 32)]
+VARIANTS = [(64, None, False), (64, 0, True), (64, 64, False), (64, 64, True), (64, 128, True), (32, None, False),
+            (32, 32, True)]  # (ep, redundant slots, refine)
 
 
 def measure_workers(ep: int, redundant: int, num_prompts: int) -> dict:
@@ -95,19 +99,22 @@ def main(argv: list[str] | None = None) -> dict:
         config = ModelConfig.from_dict(config.to_dict() | {"num_layers": depth,
                                                            "layer_types": list(config.layer_types[:depth])})
     rows = []
-    print(f"{'workload':<18}{'layout':>8}{'R':>6}{'balanced':>10}{'imbal.':>8}{'prefill s':>11}{'decode ms':>11}"
+    print(f"{'workload':<18}{'layout':>8}{'R':>6}{'balancer':>9}{'balanced':>10}{'imbal.':>8}{'prefill s':>11}"
+          f"{'decode ms':>11}"
           f"{'weights/rank':>14}{'rebalance ms/layer':>20}")
     for name in names:
         weight = workload_loads(name, layers, config.moe.num_experts, config.moe.top_k, num_tokens=4096)
-        for ep, redundant in VARIANTS:
-            study = plan_placement(config, ParallelConfig(ep=ep), hardware, SERVE_128K, weight, redundant)
+        for ep, redundant, refine in VARIANTS:
+            study = plan_placement(config, ParallelConfig(ep=ep), hardware, SERVE_128K, weight, redundant,
+                                   refine=refine)
             times = study.plan.times
-            row = dict(workload=name, ep=ep, redundant=redundant, balancedness=study.balancedness,
+            row = dict(workload=name, ep=ep, redundant=redundant, refine=refine, balancedness=study.balancedness,
                        imbalance=study.imbalance, prefill_s=times["prefill"]["sequential"],
                        decode_ms=times["decode"]["sequential"] * 1e3, weights_bytes=study.plan.memory.weights,
                        rebalance_ms_per_layer=study.rebalance_seconds / layers * 1e3)
             rows.append(row)
-            print(f"{name:<18}{'EP' + str(ep):>8}{'none' if redundant is None else redundant:>6}"
+            balancer = "-" if redundant is None else ("refined" if refine else "plain")
+            print(f"{name:<18}{'EP' + str(ep):>8}{'none' if redundant is None else redundant:>6}{balancer:>9}"
                   f"{row['balancedness']:>10.3f}{row['imbalance']:>8.2f}{row['prefill_s']:>11.3f}"
                   f"{row['decode_ms']:>11.2f}{format_bytes(row['weights_bytes']):>14}"
                   f"{row['rebalance_ms_per_layer']:>20.2f}")

@@ -4,6 +4,7 @@ import torch
 
 from latentmoe_lab.parallel.eplb import balanced_packing, default_placement, rebalance_experts, replicate_experts
 from latentmoe_lab.parallel.eplb_load import balance_metrics, rank_loads
+from latentmoe_lab.parallel.eplb_plan import workload_loads
 from latentmoe_lab.workloads import WORKLOADS, make_workload
 
 # The public load balancer's documented example: two layers of 12 experts, 16 slots, 4 groups, 2 nodes, 8 ranks.
@@ -13,8 +14,9 @@ EXAMPLE_PHY2LOG = torch.tensor([[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11,
                                 [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]])
 
 
-def test_documented_example_reproduced_exactly():
-    phy2log, log2phy, logcnt = rebalance_experts(EXAMPLE_WEIGHT, 16, 4, 2, 8)
+@pytest.mark.parametrize("refine", [False, True])
+def test_documented_example_reproduced_exactly(refine):
+    phy2log, log2phy, logcnt = rebalance_experts(EXAMPLE_WEIGHT, 16, 4, 2, 8, refine=refine)
     assert torch.equal(phy2log, EXAMPLE_PHY2LOG)
     assert torch.equal(logcnt, torch.stack([torch.bincount(row, minlength=12) for row in EXAMPLE_PHY2LOG]))
     assert log2phy.shape == (2, 12, 5)  # at most 16 - 12 + 1 replicas per expert
@@ -36,10 +38,12 @@ def _check_placement(phy2log, log2phy, logcnt, num_experts, num_replicas, num_ra
             assert (phy2log[layer, real] == expert).all()  # log2phy and phy2log are inverse
 
 
+@pytest.mark.parametrize("refine", [False, True])
 @pytest.mark.parametrize("groups,nodes", [(4, 2), (3, 2), (1, 1)])
-def test_placement_invariants_both_policies(groups, nodes):
+def test_placement_invariants_both_policies(groups, nodes, refine):
     weight = torch.distributions.Pareto(1.0, 1.2).sample((3, 24))
-    placement = rebalance_experts(weight, 32, groups, nodes, 8)
+    weight[0, :4] = 50.0  # four equally hot experts: the case the refinement changes
+    placement = rebalance_experts(weight, 32, groups, nodes, 8, refine=refine)
     _check_placement(*placement, num_experts=24, num_replicas=32, num_ranks=8)
 
 
@@ -68,6 +72,7 @@ def test_building_blocks():
     ((EXAMPLE_WEIGHT[0], 16, 4, 2, 8), "weight"),
     ((-EXAMPLE_WEIGHT, 16, 4, 2, 8), "weight"),
     ((EXAMPLE_WEIGHT, 16, 4, 2, 0), "num_ranks"),
+    ((EXAMPLE_WEIGHT, 16, 4, 2, 8, "yes"), "refine"),
 ])
 def test_bad_input_names_the_argument(args, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
@@ -92,11 +97,15 @@ def test_rank_loads_split_replicas_evenly():
     assert load.tolist() == [[4.0, 4.0, 4.0]]
 
 
+def _balancedness(weight, placement, ranks):
+    phy2log, _, logcnt = placement
+    return balance_metrics(rank_loads(weight, phy2log, logcnt, ranks))["balancedness"]
+
+
 def _before_after(weight, redundant, ranks):
     layers, experts = weight.shape
     def balancedness(placement):
-        phy2log, _, logcnt = placement
-        return balance_metrics(rank_loads(weight, phy2log, logcnt, ranks))["balancedness"]
+        return _balancedness(weight, placement, ranks)
 
     before = balancedness(default_placement(layers, experts))  # expert e in slot e, contiguous ranges
     greedy = balancedness(rebalance_experts(weight, experts, 1, 1, ranks))  # packing alone, no redundant slot
@@ -119,3 +128,29 @@ def test_zipf_and_pareto_improve():
         before, greedy, after = _before_after(weight, redundant=8, ranks=8)
         assert after >= greedy >= before
         assert after > before
+
+
+def _plain_and_refined(weight, num_slots, groups, nodes, ranks):
+    return [_balancedness(weight, rebalance_experts(weight, num_slots, groups, nodes, ranks, refine=refine), ranks)
+            for refine in (False, True)]
+
+
+def test_refinement_never_worse_on_skewed_loads():
+    rank_ids = torch.arange(1, 65, dtype=torch.float64)
+    loads = [torch.stack([make_workload(name, 512, 64, 4, seed=s).counts for s in range(2)]).double()
+             for name in sorted(WORKLOADS)]
+    loads += [(1.0 / rank_ids)[torch.randperm(64)].repeat(2, 1),
+              torch.distributions.Pareto(1.0, 1.1).sample((2, 64)).double()]
+    for weight in loads:
+        for groups, nodes in ((1, 1), (8, 2)):  # global and hierarchical
+            plain, refined = _plain_and_refined(weight, 72, groups, nodes, 8)
+            assert refined >= plain - 1e-12
+
+
+def test_refinement_balances_same_topk_at_k3_scale():
+    # 896 experts, EP64 + 64 redundant slots: the 16 hot experts need 4 replicas each, one per rank;
+    # the public greedy gives them 5 (80 hot replicas, 16 ranks with two): balancedness 0.625
+    weight = workload_loads("same_topk", 2, 896, 16)
+    plain, refined = _plain_and_refined(weight, 960, 1, 8, 64)
+    assert plain == pytest.approx(0.625)
+    assert refined >= 0.9

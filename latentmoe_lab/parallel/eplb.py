@@ -21,6 +21,10 @@ experts of one group (which group-limited routing sends a token to together) sha
 inside each node with the node's share of the slots; pack each node's replicas onto its ranks. Otherwise
 the global policy: the same steps with one group and one node, i.e. replicate over all slots and pack
 them onto all ranks. The loops run over items and slots; every step is vectorised over layers.
+
+refine=True (refine_replication) adds a packing-aware check after the replication: a few replica counts
+aimed at the mean rank load are packed like the real ones and replace the greedy counts of a row only
+when its busiest rank gets lighter (the greedy minimises the load per replica, not per rank).
 """
 from __future__ import annotations
 
@@ -93,6 +97,68 @@ def replicate_experts(weight: torch.Tensor, num_slots: int) -> tuple[torch.Tenso
     return slot2item, replica, count
 
 
+def _slots_of(count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """count [L, n] (each row summing to the same P) -> (slot2item [L, P], replica index [L, P]): the
+    replicas laid out item by item, item 0's first."""
+    ends = count.cumsum(-1)
+    slots = torch.arange(int(ends[0, -1])).expand(count.shape[0], -1).contiguous()
+    slot2item = torch.searchsorted(ends, slots, right=True)
+    return slot2item, slots - (ends - count).gather(-1, slot2item)
+
+
+def packed_max_load(weight: torch.Tensor, slot2item: torch.Tensor, count: torch.Tensor,
+                    num_packs: int) -> torch.Tensor:
+    """weight [L, n], slot2item [L, P], count [L, n] -> [L]: the heaviest pack's load after balanced_packing
+    of the slots (each carrying weight / count; the slot order breaks ties, as in the real packing)."""
+    slot_load = (weight / count).gather(-1, slot2item)
+    pack, _ = balanced_packing(slot_load, num_packs)
+    return torch.zeros(weight.shape[0], num_packs, dtype=slot_load.dtype).scatter_add_(1, pack, slot_load).amax(-1)
+
+
+def _target_counts(weight: torch.Tensor, num_slots: int, target: torch.Tensor) -> torch.Tensor:
+    """weight [L, n], target [L, 1] -> count [L, n]: ceil(weight / target) replicas (at least 1, so no
+    replica carries more than the target); the slots left over go one at a time to the heaviest expert
+    that still has a single replica (splitting it, not re-splitting one already at the target). Rows
+    needing more than num_slots replicas get count 0 (no candidate)."""
+    count = (weight / target * (1 - 1e-9)).ceil().clamp(min=1).nan_to_num(1).long()
+    left = num_slots - count.sum(-1)
+    rows = torch.arange(weight.shape[0])
+    bonus = weight.amax(-1, keepdim=True) + 1  # any single-replica expert before every split one
+    for _ in range(int(left.clamp(min=0).max())):
+        item = (weight / count + bonus * (count == 1)).argmax(-1)
+        count[rows, item] += (left > 0).long()
+        left = left - (left > 0).long()
+    return count.masked_fill((left < 0)[:, None], 0)
+
+
+def refine_replication(weight: torch.Tensor, slot2item: torch.Tensor, replica: torch.Tensor, count: torch.Tensor,
+                       num_packs: int, splits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packing-aware replica counts (docs/design.md §14). weight [L, n] and replicate_experts' answer
+    (slot2item [L, P], replica [L, P], count [L, n]) -> the same three, per row either unchanged or
+    replaced by a candidate whose packed busiest pack is strictly lighter.
+
+    The greedy replication minimises the largest load per replica, but the busiest rank is what counts:
+    16 equally hot experts on 64 ranks with 16 spare slots get 5 replicas each, 80 hot replicas, and
+    16 ranks hold two. The candidates instead aim every replica at a load of mean_rank_load / k
+    (k = 1 .. splits), so that the hot replicas tile the ranks one (or k) per rank."""
+    num_slots = slot2item.shape[1]
+    best = packed_max_load(weight, slot2item, count, num_packs)
+    mean_rank_load = weight.sum(-1, keepdim=True) / num_packs
+    for k in range(1, splits + 1):
+        candidate = _target_counts(weight, num_slots, mean_rank_load / k)
+        valid = (candidate > 0).all(-1)
+        candidate = torch.where(valid[:, None], candidate, count)
+        new_slot2item, new_replica = _slots_of(candidate)
+        load = packed_max_load(weight, new_slot2item, candidate, num_packs)
+        better = valid & (load < best * (1 - 1e-12))
+        if better.any():
+            slot2item = torch.where(better[:, None], new_slot2item, slot2item)
+            replica = torch.where(better[:, None], new_replica, replica)
+            count = torch.where(better[:, None], candidate, count)
+            best = torch.where(better, load, best)
+    return slot2item, replica, count
+
+
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:
     """Row-wise inverse of permutations [L, n]."""
     inverse = torch.empty_like(permutation)
@@ -101,7 +167,7 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
 
 
 def _hierarchical(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
-                  num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_ranks: int, refine: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (phy2log [L, P], replica index of each slot [L, P], logcnt [L, E])."""
     layers, num_experts = weight.shape
     group_size, groups_per_node = num_experts // num_groups, num_groups // num_nodes
@@ -119,6 +185,9 @@ def _hierarchical(weight: torch.Tensor, num_replicas: int, num_groups: int, num_
     # 2. replicas within each node: every node is a row of its own here.
     local_load = weight.gather(-1, local2log).reshape(layers * num_nodes, experts_per_node)
     slot2local, slot_replica, local_count = replicate_experts(local_load, slots_per_node)
+    if refine:
+        slot2local, slot_replica, local_count = refine_replication(local_load, slot2local, slot_replica,
+                                                                   local_count, num_ranks // num_nodes)
 
     # 3. each node's slots onto its ranks, by load per replica.
     slot_load = (local_load / local_count).gather(-1, slot2local)
@@ -134,18 +203,22 @@ def _hierarchical(weight: torch.Tensor, num_replicas: int, num_groups: int, num_
 
 
 def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      num_ranks: int, refine: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [L, E] loads -> (phy2log [L, P], log2phy [L, E, P - E + 1] -1 padded, logcnt [L, E]), int64.
 
-    Hierarchical policy when num_groups % num_nodes == 0, else global (module docstring).
+    Hierarchical policy when num_groups % num_nodes == 0, else global (module docstring). refine=False is
+    the public balancer exactly; refine=True adds refine_replication after the replication step (never a
+    busier rank, often a much lighter one when a few experts are equally hot).
     """
+    if not isinstance(refine, bool):
+        raise ValueError(f"refine: must be True or False, got {refine!r}")
     check_rebalance_args(weight, num_replicas, num_groups, num_nodes, num_ranks)
     weight = weight.detach().to("cpu", torch.float64)
     layers, num_experts = weight.shape
     if num_groups % num_nodes == 0:
-        phy2log, replica, logcnt = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_ranks)
+        phy2log, replica, logcnt = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_ranks, refine)
     else:
-        phy2log, replica, logcnt = _hierarchical(weight, num_replicas, 1, 1, num_ranks)
+        phy2log, replica, logcnt = _hierarchical(weight, num_replicas, 1, 1, num_ranks, refine)
     max_replicas = num_replicas - num_experts + 1
     log2phy = torch.full((layers, num_experts * max_replicas), -1, dtype=torch.int64)
     log2phy.scatter_(1, phy2log * max_replicas + replica, torch.arange(num_replicas).expand(layers, -1))

@@ -5,7 +5,7 @@
 
 weight [L_moe, E] is the load of every MoE layer (e.g. `workload_loads` of one of the six imbalance
 workloads). With redundant_experts=None the layout is the balancer-free one (expert e in slot e, ranks
-holding contiguous ranges); otherwise rebalance_experts places E + R slots, with
+holding contiguous ranges); otherwise rebalance_experts (refine=True by default) places E + R slots, with
 num_nodes = ep / hardware.devices_per_node and the model's expert groups. The planner then models the
 busiest EP rank of every MoE layer: its experts receive max / mean x the average routed pairs
 (parallel/roofline.py), and it holds the (E + R) / ep slots in memory.
@@ -45,8 +45,9 @@ class PlacementStudy:
 
 
 def plan_placement(config: ModelConfig, pconfig: ParallelConfig, hardware: Hardware, workload: Workload,
-                   weight: torch.Tensor, redundant_experts: int | None) -> PlacementStudy:
-    """Balance `weight` [L_moe, E] over pconfig.ep ranks (module docstring) and plan the layout."""
+                   weight: torch.Tensor, redundant_experts: int | None, refine: bool = True) -> PlacementStudy:
+    """Balance `weight` [L_moe, E] over pconfig.ep ranks (module docstring) and plan the layout; refine:
+    rebalance_experts' packing-aware replica counts (False: the public balancer alone)."""
     moe_layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
     num_experts = config.moe.num_experts
     if tuple(weight.shape) != (len(moe_layers), num_experts):
@@ -58,7 +59,7 @@ def plan_placement(config: ModelConfig, pconfig: ParallelConfig, hardware: Hardw
     else:
         nodes = max(1, pconfig.ep // hardware.devices_per_node)
         phy2log, _, logcnt = rebalance_experts(weight, num_experts + redundant_experts, config.moe.n_group,
-                                               nodes, pconfig.ep)
+                                               nodes, pconfig.ep, refine=refine)
     seconds = time.perf_counter() - start if redundant_experts is not None else 0.0
     metrics = balance_metrics(rank_loads(weight, phy2log, logcnt, pconfig.ep))
     factors = dict(zip(moe_layers, (1.0 / metrics["balancedness_per_layer"]).tolist()))  # max / mean

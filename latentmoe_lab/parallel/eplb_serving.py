@@ -160,7 +160,7 @@ class OnlineBalancer:
         self._due = False
 
     def _balance(self, window: torch.Tensor) -> torch.Tensor:
-        return rebalance_experts(window, self.num_slots, self.num_groups, 1, self.ep)[0]
+        return rebalance_experts(window, self.num_slots, self.num_groups, 1, self.ep, refine=True)[0]
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(phy2log [L, P], logcnt [L, E]) of what the workers hold."""
