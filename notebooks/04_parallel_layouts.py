@@ -539,7 +539,9 @@ figure
 # One redundant slot per rank (R = 64) lifts every workload but one above 0.99: a single hot expert per
 # layer gets its replicas, spread over the ranks. `same_topk` stays at 0.625: all tokens go to the same 16
 # experts, the greedy replication gives each 5 replicas (80 equal slots), and 80 slots on 64 ranks put two
-# on some rank. `benchmarks/RESULTS.md` has the planner's busiest-rank step time for each case.
+# on some rank. `rebalance_experts(..., refine=True)`, which the serving balancer uses, also tries replica
+# counts packed onto the ranks (4 each here, one per rank, the spare slots to the next experts) and reaches
+# 1.0 (docs/design.md §14). `benchmarks/RESULTS.md` has the planner's busiest-rank step time for each case.
 #
 # **Migration over time.** Serving rebalances online: an `ExpertLoadRecorder` keeps the routed tokens of
 # the last `window_steps` steps, and every `rebalance_interval_steps` steps an `OnlineBalancer` computes a
