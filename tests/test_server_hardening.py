@@ -11,7 +11,7 @@ import types
 import httpx
 import pytest
 
-from latentmoe_lab.server.cli import _api_key
+from latentmoe_lab.server.cli import _api_key, access_log_config
 from latentmoe_lab.server.stops import StopMatcher
 from latentmoe_lab.server.threaded import start_service
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, _process_state
@@ -136,3 +136,18 @@ def test_api_key_file_keeps_the_key_out_of_the_command_line(tmp_path):
             _api_key(argparse.Namespace(api_key=None, api_key_file=str(path)))
     with pytest.raises(ValueError, match="--api-key-file: give it or --api-key, not both"):
         _api_key(argparse.Namespace(api_key="x", api_key_file=str(key_file)))
+
+
+def test_access_log_omits_the_query_string(capsys):
+    """A key sent as ?api_key=... reached uvicorn's access log; `serve` logs the path without the query."""
+    import logging.config
+
+    logging.config.dictConfig(access_log_config())  # what uvicorn.run applies
+    try:
+        logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET",
+                                                 "/v1/models?api_key=s3cret", "1.1", 401)
+        line = capsys.readouterr().out
+    finally:
+        logging.getLogger("uvicorn.access").handlers.clear()
+    assert "s3cret" not in line
+    assert '"GET /v1/models?<query omitted> HTTP/1.1" 401' in line

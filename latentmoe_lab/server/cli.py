@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
 import os
 import sys
 
@@ -51,10 +53,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"{source_line(config)}; loading ...", file=sys.stderr, flush=True)
     worker.start()
     try:
-        uvicorn.run(build_app(worker, api_key), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(build_app(worker, api_key), host=args.host, port=args.port, log_level="info",
+                    log_config=access_log_config())
     finally:
         worker.stop()
     return 0
+
+
+class QueryOmittedFilter(logging.Filter):
+    """Drops the query string from uvicorn's access-log lines: a client that puts its API key (or any other
+    secret) in the URL must not find it in the server's log. No endpoint reads query parameters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's access record: (client, method, path with query, http version, status)
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (*args[:2], args[2].split("?", 1)[0] + "?<query omitted>", *args[3:])
+        return True
+
+
+def access_log_config() -> dict:
+    """uvicorn's default logging config with QueryOmittedFilter on the access handler."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["query_omitted"] = {"()": QueryOmittedFilter}
+    config["handlers"]["access"]["filters"] = ["query_omitted"]
+    return config
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
