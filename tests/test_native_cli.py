@@ -63,6 +63,7 @@ def test_the_cli_flags(tmp_path, capsys):
             "--held-out-fraction", "0.3", "--sample-tokens", "0", "--out", str(tmp_path)]
     assert main(args + ["--pp", "2", "--schedule", "1f1b"]) == 0
     assert "export (safetensors)" in capsys.readouterr().out
+    assert LatentMoEForCausalLM.from_pretrained(tmp_path / "export")  # the stages' export is the whole model
     for bad, message in [(["--tp", "3"], "tp: 3 must divide"), (["--fsdp", "3"], "batch"),
                          (["--fsdp", "2", "--nproc", "4"], "nproc"), (["--init-from", str(tmp_path)], "init_from")]:
         assert main(args + bad) == 2

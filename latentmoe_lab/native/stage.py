@@ -3,6 +3,8 @@
 `layers` is a ModuleDict keyed by the global layer index, so a stage's state-dict names
 ("layers.5.attn.q_proj.weight", "lm_head.weight") are the full model's, and a checkpoint saved by
 any layout loads into any other. The first stage embeds, the last normalises and projects.
+The first stage also keeps the vision tower (text-only steps leave it untouched), so the stages'
+checkpoint holds every tensor of the model and its export loads with from_pretrained.
 
 forward(x) -> y: first stage ids [b, t] int64, else hidden [b, t, hidden]; last stage fp32 logits
 [b, t, vocab], else hidden. Each MoE layer's aux and z losses ride on the hidden state backwards
@@ -50,6 +52,7 @@ class PipelineStageModule(nn.Module):
         self.embed_tokens = model.embed_tokens if first else None
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.vision = model.vision if first else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
