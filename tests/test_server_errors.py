@@ -142,14 +142,17 @@ def test_full_queue_gets_429_and_then_recovers(service):
     long = {"model": "tiny-test", "prompt": "busy", "max_tokens": 200, "temperature": 0}
     # max_batch_size = 3: two run (max_num_seqs = 2), one waits; create() returns once the engine accepted it
     streams = [client.completions.create(stream=True, **long) for _ in range(3)]
-    assert HTTP.get(f"{url}/health").json()["running"] + HTTP.get(f"{url}/health").json()["waiting"] == 3
-    response = _post(url, "completions", OK)
-    assert response.status_code == 429
-    assert response.json()["error"]["code"] == "queue_full"
-    with pytest.raises(openai.RateLimitError):
-        client.completions.create(**OK)
-    for stream in streams:
-        stream.close()
+    try:
+        health = HTTP.get(f"{url}/health").json()
+        assert health["running"] + health["waiting"] == 3
+        response = _post(url, "completions", OK)
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(**OK)
+    finally:  # a failure here must not leave the queue full for the next tests
+        for stream in streams:
+            stream.close()
     _wait_idle(url)
     assert _post(url, "completions", OK).status_code == 200
 

@@ -197,10 +197,13 @@ class EngineWorker:
                     return
                 commands, self._commands = list(self._commands), deque()
                 engine = self.engine
+                accepted: list[tuple[Future, int]] = []
                 for command in commands:
-                    self._run_command(engine, *command)
+                    self._run_command(engine, *command, accepted)
                 if commands:
                     self._publish_stats()  # an abort frees blocks without a step
+                for future, key in accepted:  # after the stats: a client told "accepted" sees itself in /health
+                    future.set_result(key)
                 if not engine.has_unfinished():
                     continue
                 started = self._step_started = time.monotonic()
@@ -230,7 +233,9 @@ class EngineWorker:
     def _engine_busy(self, generation: int) -> bool:
         return generation == self._generation and self.engine is not None and self.engine.has_unfinished()
 
-    def _run_command(self, engine: Engine, kind: str, payload, future: Future | None) -> None:
+    def _run_command(self, engine: Engine, kind: str, payload, future: Future | None,
+                     accepted: list[tuple[Future, int]]) -> None:
+        """Run one queued add or abort; an add's future goes into `accepted`, set once the stats are out."""
         if kind == "abort":
             key, reason = payload
             request = self._requests.get(key)
@@ -257,7 +262,7 @@ class EngineWorker:
         if future is not None:
             self._requests[request.key] = request
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-            future.set_result(request.key)
+            accepted.append((future, request.key))
 
     def _deliver_output(self, out) -> None:
         request = self._by_engine_id.get(out.request_id)
