@@ -57,7 +57,7 @@ def test_serve_refuses_bad_flags(tmp_path, capsys):
     assert "--port" in capsys.readouterr().err
 
 
-def test_serve_threads_go_to_the_forward_process_and_the_server_keeps_one():
+def test_serve_threads_go_to_the_forward_process_and_the_server_keeps_one(capsys):
     import torch
 
     from latentmoe_lab.server.cli import _set_threads
@@ -70,6 +70,10 @@ def test_serve_threads_go_to_the_forward_process_and_the_server_keeps_one():
         assert _set_threads(pinned, 3).parallel.forward_threads == 2  # the service file's own value wins
         in_process = ServiceConfig.from_dict({})
         assert _set_threads(in_process, 2).parallel.forward_threads == 0 and torch.get_num_threads() == 2
+        said = capsys.readouterr().err.splitlines()  # serve prints its choice, like train and serve-bench
+        assert said == ["torch threads: 1 in the server, 3 in the forward process (--threads)",
+                        "torch threads: 1 in the server, 2 in the forward process (parallel.forward_threads)",
+                        "torch threads: 2 (from --threads)"]
         with pytest.raises(ValueError, match="--threads: must be >= 1"):
             _set_threads(config, 0)
         with pytest.raises(ValueError, match="parallel.forward_threads: must be an integer >= 0"):

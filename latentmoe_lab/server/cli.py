@@ -110,14 +110,17 @@ def _set_threads(config, threads: int | None):
 
     if threads is not None and threads < 1:
         raise ValueError(f"--threads: must be >= 1, got {threads}")
-    from latentmoe_lab.threads import available_cores, default_threads
+    from latentmoe_lab.threads import apply_threads, available_cores
 
-    cores = available_cores()  # affinity and cgroup quota, not the machine's count
     if not config.parallel.forward_process:
-        torch.set_num_threads(threads or default_threads(cores=cores))
+        apply_threads(threads, echo=lambda line: print(line, file=sys.stderr))
         return config
+    cores = available_cores()  # affinity and cgroup quota, not the machine's count
     torch.set_num_threads(1)
     forward_threads = config.parallel.forward_threads or threads or max(1, cores - 1)  # the file's value wins
+    source = ("parallel.forward_threads" if config.parallel.forward_threads else "--threads" if threads
+              else f"{cores} cores available; --threads N to change")
+    print(f"torch threads: 1 in the server, {forward_threads} in the forward process ({source})", file=sys.stderr)
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, forward_threads=forward_threads))
 
 
