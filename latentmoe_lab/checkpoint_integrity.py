@@ -15,7 +15,8 @@ silent wrong load:
 Checksums: a save writes `checksums.json`, {"format", "files": {name: {"bytes", "sha256"}}}, for each
 safetensors file and the index. A load checks each file it reads against it (the size always; the
 SHA-256 unless verify_checksums=False, for very large checkpoints) and refuses a file the manifest does
-not list. A checkpoint saved before checksums existed (no checksums.json) loads on the header checks alone.
+not list. A checkpoint saved before checksums existed (no checksums.json) loads on the header checks alone, with
+a warning (a removed manifest must not pass unnoticed).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import json
 import os
 import stat
 import struct
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -176,7 +178,10 @@ def verify_files(directory: Path, files: Iterable[Path], verify_checksums: bool 
     """Check `files` (inside `directory`) against its checksums.json: listed, same size, and unless
     verify_checksums is False the same SHA-256. Nothing to check when the checkpoint predates checksums."""
     recorded = read_checksums(directory)
-    if recorded is None:
+    if recorded is None:  # loads (older saves have none), but a stripped manifest must not pass unnoticed
+        if verify_checksums:
+            warnings.warn(f"checkpoint {directory}: no {CHECKSUMS_NAME}, so its files are not checked against "
+                          f"checksums (saved before they existed, or the manifest was removed)", stacklevel=3)
         return
     for path in files:
         name = str(path.relative_to(directory))

@@ -6,6 +6,7 @@ import signal
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -200,10 +201,15 @@ def test_dtype_flip_swapped_offsets_and_flipped_bytes_are_refused(saved):
     LatentMoEForCausalLM.from_pretrained(path, verify_checksums=False)  # the documented way to skip it
 
 
-def test_a_checkpoint_without_checksums_still_loads(saved):
+def test_a_checkpoint_without_checksums_still_loads_with_a_warning(saved):
     path, logits = saved
     (path / "checksums.json").unlink()
-    assert torch.equal(LatentMoEForCausalLM.from_pretrained(path)(IDS).logits, logits)
+    with pytest.warns(UserWarning, match="no checksums.json, so its files are not checked"):
+        loaded = LatentMoEForCausalLM.from_pretrained(path)
+    assert torch.equal(loaded(IDS).logits, logits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # verify_checksums=False asked for no check: nothing to warn about
+        LatentMoEForCausalLM.from_pretrained(path, verify_checksums=False)
 
 
 def test_stale_single_file_beside_shards_is_refused(saved, tmp_path, tiny_config):
