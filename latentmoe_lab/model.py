@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from latentmoe_lab.cache import HybridCache
-from latentmoe_lab.config import KDA, ModelConfig
+from latentmoe_lab.config import DSA, KDA, ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.finite import all_finite, check_finite_logits
 from latentmoe_lab.layers.dsa import GatedDSA
@@ -91,7 +91,8 @@ class LatentMoEForCausalLM(nn.Module):
             nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
         self.vision = VisionTower(config) if config.vision is not None else None
         # mtp_depth 0: no attribute in the state dict, the checkpoint of a model without the head
-        self.mtp = MultiTokenPredictor(config) if config.mtp_depth > 0 else None
+        self.mtp = (MultiTokenPredictor(config, lambda idx: DecoderBlock(config, idx, attention_type=DSA, moe=False))
+                    if config.mtp_depth > 0 else None)
 
     def new_cache(self) -> HybridCache:
         return HybridCache(self.config)

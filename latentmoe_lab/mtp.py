@@ -14,11 +14,13 @@ Drafting (serving/spec/drafters.py) runs the depths token by token, each over a 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from latentmoe_lab.cache import DSALayerCache
-from latentmoe_lab.config import DSA, ModelConfig
+from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.norm import RMSNorm
 
 IGNORE_INDEX = -100
@@ -27,16 +29,14 @@ IGNORE_INDEX = -100
 class MTPDepth(nn.Module):
     """One depth: hidden_norm, embed_norm, proj (2d -> d), a Gated DSA decoder block, an output norm."""
 
-    def __init__(self, config: ModelConfig, depth: int):
+    def __init__(self, config: ModelConfig, depth: int, make_block: Callable[[int], nn.Module]):
         super().__init__()
-        from latentmoe_lab.model import DecoderBlock  # model.py builds this module: import when built
-
         d, eps = config.hidden_size, config.rms_norm_eps
         self.hidden_norm = RMSNorm(d, eps)
         self.embed_norm = RMSNorm(d, eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
         nn.init.normal_(self.proj.weight, std=config.initializer_range)
-        self.block = DecoderBlock(config, config.num_layers + depth - 1, attention_type=DSA, moe=False)
+        self.block = make_block(config.num_layers + depth - 1)
         self.norm = RMSNorm(d, eps)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cache: DSALayerCache | None = None,
@@ -50,11 +50,13 @@ class MTPDepth(nn.Module):
 
 
 class MultiTokenPredictor(nn.Module):
-    """config.mtp_depth MTPDepth modules; the embedding and LM head are passed in (the model's own)."""
+    """config.mtp_depth MTPDepth modules; the embedding and LM head are passed in (the model's own).
+    make_block(layer_idx): the model's decoder block with Gated DSA attention and a dense FFN (model.py passes
+    it, so this module does not import back up into the model)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_block: Callable[[int], nn.Module]):
         super().__init__()
-        self.depths = nn.ModuleList(MTPDepth(config, k) for k in range(1, config.mtp_depth + 1))
+        self.depths = nn.ModuleList(MTPDepth(config, k, make_block) for k in range(1, config.mtp_depth + 1))
 
     def loss(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, embed: nn.Embedding,
              lm_head: nn.Linear, sequence_start: torch.Tensor | None = None) -> torch.Tensor:
