@@ -47,7 +47,10 @@ def _cases():
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_opcheck(name):
-    torch.library.opcheck(OPS[name], _cases()[name])
+    """torch's own checks of a custom op: schema, autograd registration, fake kernel, AOT dispatch."""
+    results = torch.library.opcheck(OPS[name], _cases()[name])
+    assert set(results) == {"test_schema", "test_autograd_registration", "test_faketensor",
+                            "test_aot_dispatch_dynamic"} and set(results.values()) == {"SUCCESS"}, results
 
 
 class _Call(torch.nn.Module):
