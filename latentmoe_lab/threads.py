@@ -50,12 +50,17 @@ def _cgroup_quota_cores(root: Path = CGROUP_ROOT) -> float | None:
     return None if quota <= 0 or period <= 0 else quota / period
 
 
-def available_cores(root: Path = CGROUP_ROOT) -> int:
-    """Cores this process may run on: its affinity mask, capped by the cgroup quota (rounded down), >= 1."""
+def affinity_cores() -> int:
+    """Cores this process may run on: its affinity mask (the machine's count where there is none), >= 1."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def available_cores(root: Path = CGROUP_ROOT) -> int:
+    """Cores this process may use: affinity_cores, capped by the cgroup quota (rounded down), >= 1."""
+    cores = affinity_cores()
     quota = _cgroup_quota_cores(root)
     if quota is not None:
         cores = min(cores, math.floor(quota))

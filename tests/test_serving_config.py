@@ -218,7 +218,7 @@ def test_sizes_serve_would_die_on_are_refused_at_load(tmp_path, monkeypatch):
     from latentmoe_lab.serving import host_limits
 
     monkeypatch.setattr(host_limits, "available_memory_bytes", lambda: 200_000_000)
-    monkeypatch.setattr(host_limits, "usable_cores", lambda: 2)
+    monkeypatch.setattr(host_limits, "affinity_cores", lambda: 2)
     fits = CPU_YAML.replace("268435456", "150000000")
     assert load_service_file(_write(tmp_path, fits))[0].memory.cache_bytes == 150_000_000  # kept as it is
     cases = [("cache_bytes: 150000000", "cache_bytes: 268435456",

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from latentmoe_lab.meta import format_bytes
+from latentmoe_lab.threads import affinity_cores
 
 CPU_CACHE_SHARE = 0.10
 CPU_CACHE_MAX_BYTES = 4 << 30
@@ -34,13 +35,6 @@ def available_memory_bytes() -> int | None:
             return None
     limit = _cgroup_room()
     return available if limit is None else min(available, limit)
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def ranks_on_host(service) -> int:
@@ -59,7 +53,7 @@ def check_fits_host(service) -> None:
             raise ValueError(f"memory.cache_bytes: {cache_bytes} ({format_bytes(cache_bytes)}){each} exceeds the "
                              f"{format_bytes(available)} of memory available on this host; give less, or leave "
                              f"it out for {CPU_CACHE_SHARE:.0%} of the available memory")
-    threads, cores = service.parallel.forward_threads, usable_cores()
+    threads, cores = service.parallel.forward_threads, affinity_cores()
     if threads > cores:
         raise ValueError(f"parallel.forward_threads: {threads} exceeds the {cores} cores this process may run on")
 
