@@ -155,6 +155,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    # ------------------------------------- prefill/decode disaggregation hooks (serving/disagg/transfer.py)
+    def detach(self, request_id: int) -> Sequence:
+        """Take a running request out of the engine with its blocks and slot still held: the prefill side of
+        a transfer keeps them until the decode side acknowledges; the caller then releases them."""
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.status is not Status.RUNNING:
+            raise ValueError(f"request_id: no running request {request_id}")
+        self.scheduler.running.remove(seq)
+        del self._sequences[request_id]
+        return seq
+
+    def adopt(self, make_sequence) -> Sequence:
+        """Enter a sequence whose cache the caller already wrote into the pools, as running: the decode side
+        of a transfer. make_sequence(request_id) returns it with its slot, blocks and num_computed set."""
+        seq = make_sequence(self._next_id)
+        self._next_id += 1
+        self._sequences[seq.request_id] = seq
+        self.scheduler.running.append(seq)
+        return seq
+
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; an output for every request that got a token or finished in it."""
