@@ -1,0 +1,19 @@
+"""Prefill/decode disaggregation (docs/design.md §13): the connector that moves one request's hybrid cache.
+
+    request_cache.py   RequestCache (the transfer set), CacheIdentity, check_compatible
+    pool_rows.py       a request's pool rows as stored bytes, read and written
+    transfer.py        prefill_step / export_request / release_exported, import_request
+    tp_gather.py       the same rows gathered from tensor-parallel worker processes
+    wire.py            encode / decode with a SHA-256 per transfer
+    transfer_bytes.py  bytes_per_request: the payload planned from the config
+"""
+from latentmoe_lab.serving.disagg.request_cache import (CacheIdentity, RequestCache, check_compatible,
+                                                         engine_identity)
+from latentmoe_lab.serving.disagg.transfer import (NoRoomError, export_request, held_requests, import_request,
+                                                    prefill_step, release_exported)
+from latentmoe_lab.serving.disagg.transfer_bytes import bytes_per_request, payload_shapes, transfer_bytes_by_kind
+from latentmoe_lab.serving.disagg.wire import TransferError, decode, encode
+
+__all__ = ["CacheIdentity", "NoRoomError", "RequestCache", "TransferError", "bytes_per_request", "check_compatible",
+           "decode", "encode", "engine_identity", "export_request", "held_requests", "import_request",
+           "payload_shapes", "prefill_step", "release_exported", "transfer_bytes_by_kind"]

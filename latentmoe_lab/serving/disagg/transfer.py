@@ -1,0 +1,148 @@
+"""The connector: one request's cache out of a prefill engine's pools and into a decode engine's (docs/design.md §13.1).
+
+Boundary rule: the prefill side computes all N prompt tokens and samples the first token; what travels
+is the state after N (DSA rows of tokens 0..N-1, KDA state and conv tail after token N-1), the first
+token and the generator after its draw. The decode side enters the sequence with num_computed = N and
+token_ids = prompt + [first token], so its first step is an ordinary decode of the first token.
+
+    prefill engine                                       decode engine
+    prefill_step(engine) -> (outputs, [RequestCache])    import_request(engine, cache) -> request id
+        engine.step(); each request that got its first       identity checked (ValueError naming the key),
+        token is exported: rows read, the sequence           slot + blocks allocated (NoRoomError if none),
+        detached with its blocks and slot HELD               rows written, the sequence adopted as running
+    release_exported(engine, request id)  <----- ack ----- (after the import succeeded)
+
+A held request is out of the scheduler: no step touches its rows, so export_request may read it again
+(a resend after a corrupted transfer). Its blocks and slot go back only at release_exported.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from latentmoe_lab.serving.disagg.pool_rows import flat_positions, read_request_rows, write_request_rows
+from latentmoe_lab.serving.disagg.request_cache import RequestCache, check_compatible, engine_identity
+from latentmoe_lab.serving.failures import StepError
+from latentmoe_lab.serving.sequence import Sequence, Status
+
+
+class NoRoomError(RuntimeError):
+    """The decode engine has no KDA slot, not enough free blocks, or no queue room for the request now."""
+
+
+# engine -> {request id: (sequence, the BlockManager its blocks came from)}; a worker restart replaces the
+# block manager, and then a held request's holdings are already gone with the old one
+_held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def prefill_step(engine) -> tuple[list, list[RequestCache]]:
+    """One step of a prefill engine -> (its RequestOutputs, the caches of the requests it gave their first token).
+
+    A request that finished at its first token (max_tokens 1, a stop id) is in the outputs, finished, and is
+    not exported. A failed step (StepError) gives the outputs it finished; its requests are recomputed.
+    """
+    try:
+        outputs = engine.step()
+    except StepError as error:
+        outputs = error.outputs
+    caches = [export_request(engine, out.request_id) for out in outputs
+              if not out.finished and len(out.token_ids) == 1 and out.request_id not in held_requests(engine)]
+    return outputs, caches
+
+
+def export_request(engine, request_id: int) -> RequestCache:
+    """Read a request's cache after the step that sampled its first token, and hold its blocks and slot.
+
+    Called again on a held request, reads it again. ValueError if the request is not at the boundary.
+    """
+    held = _held.setdefault(engine, {})
+    if request_id in held:
+        seq = held[request_id][0]
+    else:
+        seq = engine._sequences.get(request_id)  # read only: detach() below takes it out
+        if seq is None or seq.status is not Status.RUNNING:
+            raise ValueError(f"request_id: no running request {request_id} on this engine")
+        if seq.num_computed != len(seq.prompt_ids) or len(seq.generated_ids) != 1:
+            raise ValueError(f"request_id: request {request_id} is not at the prefill boundary (computed "
+                             f"{seq.num_computed} of {len(seq.prompt_ids)} prompt tokens, "
+                             f"{len(seq.generated_ids)} generated; export right after its first token)")
+        if seq.images is not None:
+            raise ValueError(f"request_id: request {request_id} has images; a transfer carries text prompts only "
+                             f"(the decode side could not recompute it after a preemption)")
+        held[request_id] = (engine.detach(request_id), engine.block_manager)
+    rows = _read_rows(engine, seq)
+    return RequestCache(request_id, list(seq.prompt_ids), seq.token_ids[-1], seq.params, seq.max_tokens,
+                        engine_identity(engine), seq.generator.get_state(), logprobs=list(seq.logprobs),
+                        prompt_logprobs=list(seq.prompt_logprobs), **rows)
+
+
+def held_requests(engine) -> list[int]:
+    """Request ids exported from this engine and not yet released."""
+    return list(_held.get(engine, {}))
+
+
+def release_exported(engine, request_id: int) -> None:
+    """The decode side's ack: give the held request's blocks and slot back (prefix-cached blocks stay cached)."""
+    held = _held.get(engine, {})
+    if request_id not in held:
+        raise ValueError(f"request_id: request {request_id} is not held by this engine (released already?)")
+    seq, manager = held.pop(request_id)
+    if manager is engine.block_manager:  # else the bookkeeping was rebuilt empty: nothing left to give back
+        manager.release_blocks(seq.block_table)
+        manager.release_slot(seq.slot)
+    seq.block_table, seq.slot, seq.status = [], None, Status.FINISHED
+
+
+def import_request(engine, cache: RequestCache) -> int:
+    """Enter a transferred request into a decode engine as running, its cache written into the pools.
+
+    ValueError naming the key for a cache this engine cannot take (another model or cache format, a prompt
+    too long for model.max_model_len, malformed tensors); NoRoomError when it could later but not now.
+    """
+    if not isinstance(cache, RequestCache):
+        raise TypeError(f"cache: expected a RequestCache, got {type(cache).__name__}")
+    check_compatible(engine_identity(engine), cache.identity)
+    cache.check(engine.model_config)
+    if engine.pools is None:
+        raise ValueError("parallel: a decode engine with worker processes cannot import yet (its pools live in "
+                         "the workers); run the decode instance with tensor_parallel_size 1 in this process")
+    limit, n = engine.config.model.max_model_len, cache.num_tokens
+    if n + 1 >= limit:
+        raise ValueError(f"model.max_model_len: ({limit}) leaves no room to decode after {n} prompt tokens "
+                         f"and the first generated one")
+    max_tokens = min(cache.max_tokens, limit - n)
+    if max_tokens <= 1:
+        raise ValueError(f"max_tokens: {cache.max_tokens} leaves nothing to decode after the first token")
+    scheduler, manager = engine.scheduler, engine.block_manager
+    if scheduler.num_unfinished >= engine.config.scheduler.max_batch_size or \
+            len(scheduler.running) >= scheduler.max_num_seqs:
+        raise NoRoomError(f"no room: {scheduler.num_unfinished} requests held, {len(scheduler.running)} running")
+    blocks_needed = -(-n // manager.block_size)
+    if blocks_needed > manager.num_free_blocks or not manager.free_slots:
+        raise NoRoomError(f"no room: {blocks_needed} blocks needed, {manager.num_free_blocks} free; "
+                          f"{len(manager.free_slots)} KDA slots free")
+    slot, blocks = manager.acquire_slot(), manager.allocate_blocks(blocks_needed)
+    write_request_rows(engine.pools, flat_positions(blocks, manager.block_size, n), slot, cache.tensors())
+
+    def make_sequence(request_id: int) -> Sequence:
+        seq = Sequence(request_id, list(cache.prompt_ids), cache.params, max_tokens=max_tokens)
+        seq.token_ids.append(cache.first_token)
+        seq.generator.set_state(cache.generator_state.clone())
+        seq.logprobs, seq.prompt_logprobs = list(cache.logprobs), list(cache.prompt_logprobs)
+        seq.slot, seq.block_table, seq.num_computed, seq.status = slot, blocks, n, Status.RUNNING
+        seq.first_scheduled_time = seq.arrival_time  # its first token came with it
+        seq.token_times.append(seq.arrival_time)
+        return seq
+
+    return engine.adopt(make_sequence).request_id
+
+
+def _read_rows(engine, seq: Sequence) -> dict[str, torch.Tensor]:
+    """The sequence's rows from this process's pools, or gathered from the workers' (tensor parallel)."""
+    positions = flat_positions(seq.block_table, engine.block_manager.block_size, seq.num_computed)
+    if engine.pools is not None:
+        return read_request_rows(engine.pools, positions, seq.slot)
+    from latentmoe_lab.serving.disagg.tp_gather import read_rows_from_workers
+
+    return read_rows_from_workers(engine, positions, seq.slot)
