@@ -2,7 +2,8 @@
 
     1. build LatentMoEForCausalLM on the meta device (no memory);
     2. pp > 1: keep this stage's blocks (PipelineStageModule);
-    3. tp > 1: parallelize_module plans (tensor_plan.py); ep > 1: experts split (expert.py);
+    3. tp > 1: parallelize_module plans (tensor_plan.py); ep > 1: experts split (expert.py), in contiguous
+       blocks or in the slots of an EPLB placement (expert_placement.py);
     4. FSDP2: fully_shard each block and the root over "data" (dp_shard x ep), the experts over
        dp_shard alone (they are already split over ep), with the layout's mixed-precision policy;
     5. to_empty: allocate the local shards only;
@@ -27,6 +28,8 @@ from latentmoe_lab.layers.kda import A_INIT_RANGE, DT_INIT_RANGE
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.native.expert import apply_expert_parallel
+from latentmoe_lab.native.expert_placement import (check_native_placement, copy_to_slots, logical_targets,
+                                                   placed_layers, to_logical)
 from latentmoe_lab.native.layout import PARAM_DTYPES, NativeLayout
 from latentmoe_lab.native.stage import PipelineStageModule, named_blocks
 from latentmoe_lab.native.tensor_plan import apply_tensor_parallel
@@ -91,12 +94,16 @@ def apply_fsdp(module: nn.Module, mesh, layout: NativeLayout) -> None:
 
 
 def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: str | Path | None = None,
-                 seed: int = 0, dtype: torch.dtype = torch.float32) -> NativeModel:
+                 seed: int = 0, dtype: torch.dtype = torch.float32, placement: torch.Tensor | None = None
+                 ) -> NativeModel:
     """This rank's model under `layout` on `mesh` (layout.build_mesh), loaded from `checkpoint` or freshly seeded.
 
-    dtype: of the stored parameters (fp32 masters; fp64 for the equivalence checks).
+    dtype: of the stored parameters (fp32 masters; fp64 for the equivalence checks). placement: an EPLB
+    placement [MoE layers, P] (phy2log of parallel/eplb.py) for the experts (expert_placement.py; ep > 1).
     """
     layout.validate_for(config, mesh.size())
+    if placement is not None:
+        check_native_placement(placement, config, layout.ep)
     with torch.device("meta"):
         full = LatentMoEForCausalLM(config).to(dtype)
     stages = partition_layers(config, layout.pp, full)
@@ -105,7 +112,7 @@ def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: st
     if layout.tp > 1:
         apply_tensor_parallel(module, mesh["tp"])
     if layout.ep > 1:
-        apply_expert_parallel(module, mesh["ep"])
+        apply_expert_parallel(module, mesh["ep"], placement)
     apply_fsdp(module, mesh, layout)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
@@ -114,6 +121,7 @@ def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: st
         load_local_shards(module, checkpoint)
     else:
         initialise_local_shards(module, seed)
+        copy_first_replicas(module)  # each slot drew its own weights: a replica must be a copy
     return NativeModel(module, layout, mesh, stages, dtype, device)
 
 
@@ -170,6 +178,18 @@ def _shard_coordinates(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(mesh.get_local_rank(i) for i, placement in enumerate(param.placements) if placement.is_shard())
 
 
+def copy_first_replicas(module: nn.Module) -> None:
+    """Under a placement with replicas: every replica of an expert takes the weights of its first one."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    placed = placed_layers(module)
+    if not placed:
+        return
+    state = get_model_state_dict(module)
+    copy_to_slots(state, to_logical(state, placed, module.config.moe.num_experts), placed)
+    set_model_state_dict(module, state)
+
+
 def load_local_shards(module: nn.Module, checkpoint: str | Path) -> None:
     """Fill the (allocated, empty) local shards from a save_pretrained directory, reading only their slices."""
     import torch.distributed.checkpoint as dcp
@@ -178,5 +198,9 @@ def load_local_shards(module: nn.Module, checkpoint: str | Path) -> None:
 
     options = StateDictOptions(strict=True)
     state = get_model_state_dict(module, options=options)
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(checkpoint)))
+    # expert stacks in slot order are read as the logical stacks on disk, then moved into their slots
+    placed = placed_layers(module)
+    logical = logical_targets(state, placed, module.config.moe.num_experts)
+    dcp.load(state | logical, storage_reader=HuggingFaceStorageReader(str(checkpoint)))
+    copy_to_slots(state, logical, placed)
     set_model_state_dict(module, state, options=options)

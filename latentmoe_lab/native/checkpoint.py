@@ -26,7 +26,9 @@ reads only the overlapping slices (safetensors get_slice). Before anything is re
 (each rank checks the same files, so all of them raise together instead of one waiting in a collective):
 regular files, safetensors or JSON by their bytes, never a pickle; the sizes and SHA-256 digests the manifest
 recorded (verify_checksums=False skips the digests); well-formed headers; chunks that cover each tensor; then
-every tensor of the target must be in the checkpoint with its global shape. An optimizer's state loads
+every tensor of the target must be in the checkpoint with its global shape. Expert stacks held in an EPLB
+placement's slot order are written and read in logical order (native/expert_placement.py), so the files are
+the same whatever the placement. An optimizer's state loads
 per parameter; one that had no state at the save (it never had a gradient) has none after the load.
 See docs/design.md §11.
 """
@@ -54,6 +56,8 @@ from latentmoe_lab.checkpoint_dir import (MARKER_NAME, check_output_dir, make_te
 from latentmoe_lab.checkpoint_integrity import file_sha256, read_json_file, write_checksums
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.native.build import NativeModel, load_local_shards
+from latentmoe_lab.native.expert_placement import (copy_to_slots, logical_shapes, logical_targets, placed_layers,
+                                                   to_logical)
 from latentmoe_lab.native.checkpoint_files import (RESERVED_NAMES, FORMAT, MANIFEST_NAME, MODEL_DIR, OPTIMIZER_DIR,
                                                    OPTIMIZER_JSON, SHARDED, check_sharded)
 from latentmoe_lab.tokenizer_files import write_tokenizer_files
@@ -74,12 +78,14 @@ def save_sharded(native: NativeModel, directory: str | Path, optimizer: torch.op
         make_temporary(directory)
         (tmp / MODEL_DIR).mkdir()
     dist.barrier()
-    _dcp_save(get_model_state_dict(native.module), tmp / MODEL_DIR)
+    # expert stacks in an EPLB placement's slot order go to disk in logical order (expert_placement.py)
+    placed, num_experts = placed_layers(native.module), native.module.config.moe.num_experts
+    _dcp_save(to_logical(get_model_state_dict(native.module), placed, num_experts), tmp / MODEL_DIR)
     if optimizer is not None:
         state = get_optimizer_state_dict(native.module, optimizer)
         groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
         texts[OPTIMIZER_JSON] = _to_json("optimizer: the param_groups hyperparameters", groups)
-        _dcp_save(flatten_optimizer_state(state["state"]), tmp / OPTIMIZER_DIR)
+        _dcp_save(to_logical(flatten_optimizer_state(state["state"]), placed, num_experts), tmp / OPTIMIZER_DIR)
     dist.barrier()  # every rank's shards are on disk
     failure = ""
     if rank0:
@@ -178,7 +184,7 @@ def _check_names(module: nn.Module, stored: dict[str, tuple[int, ...]]) -> None:
 
     Names the checkpoint has and the module lacks are fine: a pipeline stage holds only its own layers.
     """
-    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}  # DTensor: the global shape
+    expected = logical_shapes(module)  # DTensor: the global shape; placed expert stacks: [E, ...] as on disk
     missing = sorted(set(expected) - set(stored))
     mismatched = [f"{name}: checkpoint {list(stored[name])} vs module {list(shape)}"
                   for name, shape in expected.items() if name in stored and stored[name] != shape]
@@ -221,7 +227,11 @@ def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directo
         elif any(present):
             raise ValueError(f"optimizer: the checkpoint has only part of {param!r}'s state {sorted(values)}")
     state["state"] = kept
-    _read(flatten_optimizer_state(kept), folder, distributed=_is_distributed(module))
+    flat = flatten_optimizer_state(kept)
+    placed = placed_layers(module)
+    logical = logical_targets(flat, placed, module.config.moe.num_experts)
+    _read(flat | logical, folder, distributed=_is_distributed(module))
+    copy_to_slots(flat, logical, placed)  # the flat entries are the state's own tensors: filled in place
     saved = read_json_file(directory / OPTIMIZER_JSON)
     if len(saved) != len(state["param_groups"]):
         raise ValueError(f"optimizer: {len(state['param_groups'])} param groups, the checkpoint has {len(saved)}")

@@ -80,8 +80,26 @@ def train_reference(model: LatentMoEForCausalLM, batches: list[torch.Tensor], se
     return logits, losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def layouts_worker(layouts: list[NativeLayout], settings: EquivalenceSettings, checkpoint: str) -> list[dict]:
-    """On each rank, per layout: build from the checkpoint, forward the first batch, train; gathered tensors."""
+def logical_parameters(module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (DTensor.full_tensor); expert stacks in slot order back in expert order."""
+    from latentmoe_lab.native.expert_placement import first_replicas, placed_layers
+
+    placed = placed_layers(module)
+    params = {}
+    for name, p in module.named_parameters():
+        value = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        prefix = name.rpartition(".")[0]
+        if prefix in placed:
+            value = value[first_replicas(placed[prefix], module.config.moe.num_experts)]
+        params[name] = value
+    return params
+
+
+def layouts_worker(layouts: list[NativeLayout], settings: EquivalenceSettings, checkpoint: str,
+                   placements: list | None = None) -> list[dict]:
+    """On each rank, per layout: build from the checkpoint, forward the first batch, train; gathered tensors.
+
+    placements: per layout, an EPLB placement [MoE layers, P] for its experts or None."""
     from latentmoe_lab.native.build import build_native
     from latentmoe_lab.native.forward import native_logits
     from latentmoe_lab.native.layout import build_mesh
@@ -93,22 +111,24 @@ def layouts_worker(layouts: list[NativeLayout], settings: EquivalenceSettings, c
     config = ModelConfig.from_preset(settings.preset)
     batches = training_batches(config, settings)
     results = []
-    for layout in layouts:
+    for layout, placement in zip(layouts, placements or [None] * len(layouts)):
         native = build_native(config, layout, build_mesh(layout), checkpoint=checkpoint,
-                              dtype=getattr(torch, settings.dtype))
+                              dtype=getattr(torch, settings.dtype), placement=placement)
         logits = native_logits(native, batches[0])
         trainer = NativeTrainer(native, lr=settings.lr, grad_clip=settings.grad_clip)
         steps = [trainer.step(ids) for ids in batches]
-        params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                  for name, p in native.module.named_parameters()}
+        params = logical_parameters(native.module)
         results.append({"logits": logits, "losses": [s["loss"] for s in steps],
                         "grad_norms": [s["grad_norm"] for s in steps], "params": params})
     return results
 
 
-def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = EquivalenceSettings()
-                  ) -> list[EquivalenceReport]:
-    """Run each layout and compare with the one-process reference; one launch per world size."""
+def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = EquivalenceSettings(),
+                  placements: list | None = None) -> list[EquivalenceReport]:
+    """Run each layout and compare with the one-process reference; one launch per world size.
+
+    placements: per layout, an EPLB placement of its experts (expert_placement.py) or None."""
+    placements = placements or [None] * len(layouts)
     from latentmoe_lab.parallel.launch import launch
 
     by_world: dict[int, list[int]] = {}
@@ -122,7 +142,8 @@ def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = E
         ref_logits, ref_losses, ref_norms, ref_params = train_reference(model, batches, settings)
         for world, indices in by_world.items():
             group = [layouts[i] for i in indices]
-            per_rank = launch(layouts_worker, world, args=(group, settings, str(checkpoint)),
+            per_rank = launch(layouts_worker, world, args=(group, settings, str(checkpoint),
+                                                           [placements[i] for i in indices]),
                               timeout_s=settings.timeout_s * len(group))
             for j, i in enumerate(indices):
                 results = [rank[j] for rank in per_rank]
@@ -141,10 +162,13 @@ def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = E
     return reports
 
 
-def hand_written_worker(pairs: list, settings: EquivalenceSettings, checkpoint: str) -> list[float]:
-    """Per rank: logits of each (ParallelConfig, NativeLayout) pair through both engines -> max |difference|."""
-    from latentmoe_lab.native.build import from_pretrained
+def hand_written_worker(pairs: list, settings: EquivalenceSettings, checkpoint: str, placement=None) -> list[float]:
+    """Per rank: logits of each (ParallelConfig, NativeLayout) pair through both engines -> max |difference|.
+
+    placement: one EPLB placement [MoE layers, P] that both engines' experts take (None: contiguous)."""
+    from latentmoe_lab.native.build import build_native
     from latentmoe_lab.native.forward import native_logits
+    from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.parallel.comm import Comm
     from latentmoe_lab.parallel.mesh import ProcessMesh, init_distributed
     from latentmoe_lab.parallel.sharded import parallelize
@@ -156,22 +180,25 @@ def hand_written_worker(pairs: list, settings: EquivalenceSettings, checkpoint: 
     batch = training_batches(config, settings)[0]
     differences = []
     for pconfig, layout in pairs:
-        sharded = parallelize(model, Comm(ProcessMesh(pconfig, device)))
+        sharded = parallelize(model, Comm(ProcessMesh(pconfig, device)), placement)
         local = sharded.local_inputs(batch)
         hand_written = sharded.gather_logits(sharded(local), local.shape[0], local.shape[1])
-        native = native_logits(from_pretrained(checkpoint, layout), batch)
+        native = native_logits(build_native(config, layout, build_mesh(layout), checkpoint, placement=placement),
+                               batch)
         differences.append(float((native - hand_written).abs().max()))
     return differences
 
 
-def compare_with_hand_written(pairs: list, settings: EquivalenceSettings = EquivalenceSettings(dtype="float32")
-                              ) -> list[float]:
-    """Max |native logits - parallel/ logits| per (ParallelConfig, NativeLayout) pair, all of one world size."""
+def compare_with_hand_written(pairs: list, settings: EquivalenceSettings = EquivalenceSettings(dtype="float32"),
+                              placement: torch.Tensor | None = None) -> list[float]:
+    """Max |native logits - parallel/ logits| per (ParallelConfig, NativeLayout) pair, all of one world size;
+    placement: the EPLB placement both engines' experts take."""
     from latentmoe_lab.parallel.launch import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "reference"
         write_reference_checkpoint(settings, checkpoint)
-        results = launch(hand_written_worker, pairs[0][1].world_size, args=(pairs, settings, str(checkpoint)),
+        results = launch(hand_written_worker, pairs[0][1].world_size, args=(pairs, settings, str(checkpoint),
+                                                                             placement),
                          timeout_s=settings.timeout_s)
     return [max(r[i] for r in results) for i in range(len(pairs))]

@@ -1,7 +1,9 @@
 """Expert parallelism with autograd: an All-to-All dispatcher whose backward is the reverse All-to-All.
 
 Rank r of the "ep" mesh dim holds experts [r*E/R, (r+1)*E/R), stored as Shard(0) DTensors of the
-global [E, ...] stacks (so checkpoints and FSDP2 see the whole expert set). Per MoE layer and rank,
+global [E, ...] stacks (so checkpoints and FSDP2 see the whole expert set); under an EPLB placement it
+holds slots [r*P/R, (r+1)*P/R) of [P, ...] stacks in slot order instead, and a pair goes to the slot
+choose_replicas picks (expert_placement.py). Per MoE layer and rank,
 N local tokens, top-K, latent size l:
 
   dispatch  counts  all_to_all [R] int64       (pairs this rank sends to each rank)
@@ -24,9 +26,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from latentmoe_lab.layers.moe import LatentMoE
-from latentmoe_lab.native.stage import named_blocks
+from latentmoe_lab.layers.moe import LatentExperts, LatentMoE
+from latentmoe_lab.native.expert_placement import moe_rows
 from latentmoe_lab.native.local_params import LocalParams
+from latentmoe_lab.native.stage import named_blocks
+from latentmoe_lab.parallel.eplb_serving import choose_replicas, slot_tables
 
 
 class AllToAll(torch.autograd.Function):
@@ -51,15 +55,27 @@ def _all_to_all(rows: torch.Tensor, send_counts: list[int], recv_counts: list[in
 class NativeDispatcher:
     """layers.moe.Dispatcher over the "ep" mesh dim, differentiable in the tokens and the routing weights."""
 
-    def __init__(self, ep_mesh, num_experts: int):
+    def __init__(self, ep_mesh, num_experts: int, phy2log: torch.Tensor | None = None):
+        """phy2log [P]: the layer's EPLB placement (expert_placement.py); None: expert e in slot e."""
         self.group = ep_mesh.get_group()
-        self.ep = ep_mesh.size()
-        self.local_experts = num_experts // self.ep
+        self.ep, self.rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        self.phy2log = phy2log
+        num_slots = num_experts if phy2log is None else len(phy2log)
+        self.local_experts = num_slots // self.ep  # slots per rank
+        if phy2log is not None:
+            self.log2phy, self.logcnt = slot_tables(phy2log, num_experts, num_slots - num_experts + 1)
+
+    def slots_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """indices [N, K] logical experts -> [N, K] the physical slot each pair goes to (itself without a placement)."""
+        if self.phy2log is None:
+            return indices
+        log2phy, logcnt = self.log2phy.to(indices.device), self.logcnt.to(indices.device)
+        return choose_replicas(indices, log2phy, logcnt, self.rank, self.local_experts)
 
     def dispatch(self, z: torch.Tensor, indices: torch.Tensor):
         """z [N, l], indices [N, K] global expert ids -> (z_perm [P, l] expert-major, counts [E_local], ctx)."""
         num_tokens, top_k = indices.shape
-        flat = indices.reshape(-1)  # pair p is token p // K, slot p % K
+        flat = self.slots_of(indices).reshape(-1)  # pair p is token p // K, choice p % K
         dest = flat // self.local_experts
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
         send_counts = torch.bincount(dest, minlength=self.ep)
@@ -80,11 +96,27 @@ class NativeDispatcher:
         return (pairs.float().view(num_tokens, top_k, -1) * weights.float()[..., None]).sum(1)
 
 
-def apply_expert_parallel(model, ep_mesh) -> None:
-    """Split every MoE layer's experts over `ep_mesh` and swap in the All-to-All dispatcher (in place)."""
+def apply_expert_parallel(model, ep_mesh, placement: torch.Tensor | None = None) -> None:
+    """Split every MoE layer's experts over `ep_mesh` and swap in the All-to-All dispatcher (in place).
+
+    placement [MoE layers, P] (expert_placement.py): the layers' stacks become P slots in slot order (still on
+    the meta device: nothing is allocated yet) and the dispatchers send each pair to a replica.
+    """
     plan = {}
+    rows = moe_rows(model.config)
     for i, block in named_blocks(model):
         if isinstance(block.ffn, LatentMoE):
+            phy2log = None if placement is None else placement[rows[i]].clone()
+            if phy2log is not None and len(phy2log) != block.ffn.num_experts:
+                block.ffn.experts = _slot_stack(block.ffn.experts, len(phy2log))
             plan[f"layers.{i}.ffn.experts"] = LocalParams({"w13": Shard(0), "w2": Shard(0)})
-            block.ffn.dispatcher = NativeDispatcher(ep_mesh, block.ffn.num_experts)
+            block.ffn.dispatcher = NativeDispatcher(ep_mesh, block.ffn.num_experts, phy2log)
     parallelize_module(model, ep_mesh, plan)
+
+
+def _slot_stack(experts: LatentExperts, num_slots: int) -> LatentExperts:
+    """An empty LatentExperts of num_slots experts, shaped, typed and placed (meta) like `experts`."""
+    latent, inter = experts.w2.shape[2], experts.w2.shape[1]
+    with torch.device(experts.w13.device):
+        slots = LatentExperts(num_slots, latent, inter, experts.activation_clamp)
+    return slots.to(experts.w13.dtype)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import causal_lm_loss
 from latentmoe_lab.native.build import NativeModel, expert_params
+from latentmoe_lab.native.expert_placement import has_replicas
 from latentmoe_lab.native.stage import named_blocks
 
 
@@ -84,6 +85,9 @@ class NativeTrainer:
 
     def __init__(self, native: NativeModel, lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0,
                  betas: tuple[float, float] = (0.9, 0.999)):
+        if has_replicas(native.module):
+            raise ValueError("placement: the native trainer takes placements without replicas (P = E slots, a "
+                             "permutation); a replicated expert's gradient would have to be summed over its replicas")
         self.native, self.grad_clip = native, grad_clip
         native.reshard()  # the optimizer must hold the sharded parameters, not a gathered copy
         params = list(native.module.parameters())

@@ -1,0 +1,171 @@
+"""An EPLB placement on the native EP layout: experts in physical slots, checkpoints in logical order.
+
+    native = build_native(config, NativeLayout(ep=2), mesh, checkpoint, placement=phy2log)   # [MoE layers, P]
+
+phy2log is rebalance_experts' answer (parallel/eplb.py, docs/design.md §14), the same tensor the hand-written
+layout takes (parallel.sharded.parallelize(..., placement)). Without it, ep rank r holds experts
+[r E/R, (r+1) E/R) and the expert stacks w13 / w2 are Shard(0) DTensors of the logical [E, ...] stacks.
+With it, every MoE layer's stacks become [P, ...] in slot order (P = E + redundant slots), still Shard(0),
+so rank r holds slots [r P/R, (r+1) P/R) and the experts they name; a token goes to the replica on its
+own rank when there is one, else spread over the replicas (eplb_serving.choose_replicas).
+
+On disk the stacks stay logical [E, ...] (what save_pretrained, export and any other layout read), so a
+checkpoint saved under one placement loads under another, or into one plain process. The mapping is
+an All-to-All over ep (`move_rows`): to disk, each logical expert from its first replica; from disk,
+each slot from its expert. No rank ever holds more than its own share of a stack.
+
+Training takes permutations only (P = E): a replicated expert's gradient would have to be summed over
+its replicas, and the replicas kept identical through the optimizer; NativeTrainer refuses replicas.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.layers.moe import LatentMoE
+from latentmoe_lab.native.stage import named_blocks
+from latentmoe_lab.parallel.eplb_serving import check_placement
+
+EXPERT_STACKS = ("w13", "w2")
+
+
+def check_native_placement(placement: torch.Tensor, config: ModelConfig, ep: int) -> None:
+    """ValueError naming `placement` unless it fits the model's MoE layers and experts over `ep` ranks."""
+    if ep == 1:
+        raise ValueError("placement: needs expert parallelism (ep > 1); with one ep rank every expert is local")
+    check_placement(placement, sum(map(config.is_moe_layer, range(config.num_layers))), config.moe.num_experts, ep)
+
+
+def moe_rows(config: ModelConfig) -> dict[int, int]:
+    """{global layer index: its row in a placement [MoE layers, P]}."""
+    moe = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+    return {layer: row for row, layer in enumerate(moe)}
+
+
+def placed_layers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{"layers.i.ffn.experts": phy2log row [P]} of every MoE layer that holds slots of a placement."""
+    placed = {}
+    if not hasattr(module, "layers"):  # not a model or a pipeline stage of one: nothing placed
+        return placed
+    for i, block in named_blocks(module):
+        if isinstance(block.ffn, LatentMoE):
+            dispatcher = getattr(block.ffn.dispatcher, "inner", block.ffn.dispatcher)  # traffic's recorder wraps it
+            phy2log = getattr(dispatcher, "phy2log", None)
+            if phy2log is not None:
+                placed[f"layers.{i}.ffn.experts"] = phy2log
+    return placed
+
+
+def has_replicas(module: nn.Module) -> bool:
+    return any(len(row) > int(row.max()) + 1 for row in placed_layers(module).values())
+
+
+def _stack_prefix(key: str, placed: dict[str, torch.Tensor]) -> str | None:
+    """The placed "layers.i.ffn.experts" that `key` is a stack of (a parameter or its optimizer state), or None."""
+    owner, _, rest = key.partition(".ffn.experts.")
+    prefix = f"{owner}.ffn.experts"
+    if prefix in placed and rest.split(".", 1)[0] in EXPERT_STACKS:
+        return prefix
+    return None
+
+
+def _ep_placements(tensor: DTensor) -> list:
+    """Shard(0) on the "ep" mesh dim, Replicate elsewhere: each ep rank's contiguous block of the stack."""
+    return [Shard(0) if name == "ep" else Replicate() for name in tensor.device_mesh.mesh_dim_names]
+
+
+def _ep_group(tensor: DTensor):
+    mesh = tensor.device_mesh
+    return mesh.get_group(mesh.mesh_dim_names.index("ep"))
+
+
+def move_rows(block: torch.Tensor, source: torch.Tensor, num_in_rows: int, group) -> torch.Tensor:
+    """Rows of a row-sharded stack to another row-sharded stack over `group` (R ranks, contiguous blocks).
+
+    block [num_in_rows / R, ...]: this rank's block of the input stack; source [num_out_rows] int64: output
+    row i is input row source[i]. Returns this rank's block [num_out_rows / R, ...] of the output stack.
+    One All-to-All: rows go straight from the rank that holds them to the rank that needs them.
+    """
+    import torch.distributed as dist
+
+    from latentmoe_lab.native.expert import _all_to_all
+
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    source = source.to(torch.int64).cpu()
+    in_per, out_per = num_in_rows // ranks, len(source) // ranks
+    owner = source // in_per  # the rank holding each output row's input
+    needer = torch.arange(len(source)) // out_per  # the rank holding each output row
+    mine = (owner == me).nonzero().squeeze(-1)  # output rows this rank supplies, by destination (ascending)
+    send_counts = torch.bincount(needer[mine], minlength=ranks).tolist()
+    wanted = owner[me * out_per:(me + 1) * out_per]
+    recv_counts = torch.bincount(wanted, minlength=ranks).tolist()
+    rows = block[(source[mine] - me * in_per).to(block.device)]
+    received = _all_to_all(rows, send_counts, recv_counts, group)  # grouped by sender, ascending within
+    out = torch.empty_like(received)
+    out[torch.argsort(wanted, stable=True).to(block.device)] = received
+    return out
+
+
+def first_replicas(phy2log: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """phy2log [P] -> [E] the first slot holding each expert."""
+    slots = torch.arange(len(phy2log))
+    first = torch.full((num_experts,), len(phy2log), dtype=torch.int64)
+    return first.scatter_reduce(0, phy2log, slots, reduce="amin")
+
+
+def to_logical(state: dict[str, torch.Tensor], placed: dict[str, torch.Tensor], num_experts: int) -> dict:
+    """A state dict (model's or flattened optimizer's) with every placed stack [P, ...] in slot order replaced
+    by the logical [E, ...] stack, ep-sharded in contiguous blocks (what the checkpoint files hold)."""
+    out = dict(state)
+    for key, tensor in state.items():
+        prefix = _stack_prefix(key, placed)
+        if prefix is None or not isinstance(tensor, DTensor) or tensor.dim() == 0:
+            continue
+        blocks = tensor.redistribute(tensor.device_mesh, _ep_placements(tensor))
+        moved = move_rows(blocks.to_local(), first_replicas(placed[prefix], num_experts), tensor.shape[0],
+                          _ep_group(tensor))
+        out[key] = DTensor.from_local(moved, tensor.device_mesh, _ep_placements(tensor), run_check=False,
+                                      shape=(num_experts, *tensor.shape[1:]), stride=_contiguous_stride(
+                                          (num_experts, *tensor.shape[1:])))
+    return out
+
+
+def logical_targets(state: dict[str, torch.Tensor], placed: dict[str, torch.Tensor], num_experts: int) -> dict:
+    """Empty logical [E, ...] stacks (ep-sharded blocks) for every placed stack of `state`, for a checkpoint read."""
+    targets = {}
+    for key, tensor in state.items():
+        if _stack_prefix(key, placed) is not None and isinstance(tensor, DTensor) and tensor.dim() > 0:
+            shape = (num_experts, *tensor.shape[1:])
+            ranks = tensor.device_mesh.size(tensor.device_mesh.mesh_dim_names.index("ep"))
+            local = tensor.to_local().new_empty(num_experts // ranks, *tensor.shape[1:])
+            targets[key] = DTensor.from_local(local, tensor.device_mesh, _ep_placements(tensor), run_check=False,
+                                              shape=shape, stride=_contiguous_stride(shape))
+    return targets
+
+
+def copy_to_slots(state: dict[str, torch.Tensor], logical: dict[str, DTensor], placed: dict[str, torch.Tensor]) -> None:
+    """Fill each placed stack of `state` (in place, slot order, its own placements) from its logical stack."""
+    for key, stack in logical.items():
+        target = state[key]
+        prefix = _stack_prefix(key, placed)
+        moved = move_rows(stack.to_local(), placed[prefix], stack.shape[0], _ep_group(stack))
+        slots = DTensor.from_local(moved, target.device_mesh, _ep_placements(target), run_check=False,
+                                   shape=target.shape, stride=target.stride())
+        target.to_local().copy_(slots.redistribute(target.device_mesh, target.placements).to_local())
+
+
+def logical_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every state-dict tensor's global shape as stored on disk (placed stacks: [E, ...])."""
+    placed = placed_layers(module)
+    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    if placed:
+        num_experts = module.config.moe.num_experts
+        shapes = {name: (num_experts, *shape[1:]) if _stack_prefix(name, placed) else shape
+                  for name, shape in shapes.items()}
+    return shapes
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
