@@ -99,8 +99,18 @@ class BlockManager:
         if block_hash is not None:
             del self.block_of_hash[block_hash]
             row = self.snapshot_of_hash.pop(block_hash, None)
+            self.evicting(block_hash, block, row)
             if row is not None:
                 self.free_snapshot_rows.append(row)
+
+    def evicting(self, block_hash: bytes, block: int | None, snapshot_row: int | None) -> None:
+        """Called just before an evicted cached block and/or snapshot row is reused (their contents still
+        intact): here they are simply forgotten; serving/prefix_spill.py copies them out to host and disk."""
+
+    def emptied(self) -> BlockManager:
+        """Empty bookkeeping of the same pools: no block or slot held, no prefix cached."""
+        return BlockManager(self.num_blocks, self.block_size, self.num_slots, self.num_snapshots,
+                            self.enable_prefix_caching)
 
     # ------------------------------------------------------------------- slots
     def acquire_slot(self) -> int | None:
@@ -154,7 +164,8 @@ class BlockManager:
                 or block_hash in self.snapshot_of_hash):
             return None
         if not self.free_snapshot_rows:
-            _, row = self.snapshot_of_hash.popitem(last=False)
+            evicted_hash, row = self.snapshot_of_hash.popitem(last=False)
+            self.evicting(evicted_hash, None, row)
             self.free_snapshot_rows.append(row)
         row = self.free_snapshot_rows.pop()
         self.snapshot_of_hash[block_hash] = row

@@ -1,0 +1,201 @@
+"""Prefix cache spill (serving/prefix_spill*.py): evicted blocks and KDA snapshots go to host and disk and
+come back on a hit, bit for bit; a missing, corrupt or foreign entry is refused and recomputed, never served.
+
+The service is batch-invariant (a hit changes no bit of a request's logits, docs/design.md §6.5), so "a hit
+equals a fresh run" is checked with torch.equal on every logits row sampled from. The device holds 9 blocks
+and 2 snapshots: three 256-token prefixes take turns, so every second visit of a prefix finds it spilled.
+"""
+import pytest
+import torch
+
+from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving.invariance import recorded_logits
+from latentmoe_lab.serving.planner import pools_bytes
+from latentmoe_lab.serving.prefix_spill_host import HostTier
+
+PARAMS = SamplingParams(max_tokens=3)
+BLOCK = 64
+
+
+def service(model, prefix_cache=None, prefix=True) -> ServiceConfig:
+    data = {"model": {"max_model_len": 512},
+            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
+                       "prefix_snapshot_slots": 2 if prefix else 0},
+            "scheduler": {"prefill_chunk_size": 512, "batch_invariant": True, "max_batch_size": 4}}
+    if prefix_cache is not None:
+        data["prefix_cache"] = prefix_cache
+    probe = ServiceConfig.from_dict(data)
+    block, slot = pools_bytes(model.config, probe, 1, 0), pools_bytes(model.config, probe, 0, 1)
+    data["memory"]["cache_bytes"] = 3 * slot + 9 * block  # 1 running + 2 snapshot rows, 9 blocks (512 tokens + 1)
+    return ServiceConfig.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(0, 256, (4 * BLOCK,), generator=g).tolist() for _ in range(3)]
+    suffixes = ([1, 2, 3], [4, 5], [9], [7, 8, 9, 10], [11], [3, 3])
+    return [prefixes[i % 3] + suffix for i, suffix in enumerate(suffixes)]
+
+
+def serve(engine, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """One request at a time (the device cache is too small to hold two prefixes) -> (tokens, logits rows)."""
+    with recorded_logits(engine) as rows:
+        outputs = [engine.generate([prompt], PARAMS, use_tqdm=False)[0] for prompt in prompts]
+    return [o.token_ids for o in outputs], [rows[key] for key in sorted(rows)]
+
+
+@pytest.fixture(scope="module")
+def fresh(model, prompts):
+    return serve(Engine(model, service(model, prefix=False)), prompts)
+
+
+def assert_same(run, fresh):
+    tokens, rows = run
+    assert tokens == fresh[0]
+    assert len(rows) == len(fresh[1]) == 6 * PARAMS.max_tokens
+    assert all(torch.equal(a, b) for a, b in zip(rows, fresh[1]))
+
+
+def assert_drained(engine):
+    stats = engine.stats()
+    assert (stats["blocks_used"], stats["slots_used"], stats["running"], stats["waiting"]) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("tier, prefix_cache", [("host", {"host_bytes": 1 << 20}), ("disk", {"host_bytes": 0})])
+def test_a_spilled_hit_equals_a_fresh_run(model, prompts, fresh, tmp_path, tier, prefix_cache):
+    engine = Engine(model, service(model, prefix_cache | {"disk_dir": str(tmp_path)}))
+    assert_same(serve(engine, prompts), fresh)
+    stats = engine.stats()
+    assert stats[f"prefix_hits_{tier}"] == 3 and stats["prefix_hit_tokens"] == 3 * 4 * BLOCK
+    assert stats["prefix_hits_refused"] == 0
+    assert stats[f"spill_bytes_{tier}_to_device"] > 0 and stats["spill_bytes_device_to_host"] > 0
+    assert (stats["spill_host_bytes"] > 0) == (tier == "host") and (stats["spill_disk_bytes"] > 0) == (tier == "disk")
+    assert_drained(engine)
+    host = engine.block_manager.host
+    engine.reset()  # forgets the device's prefix cache, not the spill
+    assert engine.block_manager.host is host and engine.stats()[f"prefix_hits_{tier}"] == 3
+
+
+def test_without_a_spill_the_small_device_cache_misses(model, prompts, fresh):
+    engine = Engine(model, service(model))
+    assert_same(serve(engine, prompts), fresh)
+    assert engine.stats()["prefix_hit_tokens"] == 0 and "prefix_hits_host" not in engine.stats()
+
+
+@pytest.fixture
+def written(model, prompts, tmp_path):
+    """A disk spill directory written by one engine (every prefix's blocks and snapshot on disk)."""
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}))
+    serve(engine, prompts)
+    engine.close()  # writes what the device still holds
+    directory = engine.block_manager.disk.directory
+    assert len(list(directory.glob("*.rows.safetensors"))) == 3 * 4
+    return directory
+
+
+def test_a_restarted_engine_reuses_the_disk_spill(model, prompts, fresh, tmp_path, written):
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}))
+    assert_same(serve(engine, prompts), fresh)
+    stats = engine.stats()
+    assert stats["prefix_hits_disk"] == 6 and stats["prefix_hit_tokens"] == 6 * 4 * BLOCK  # even first visits
+    assert_drained(engine)
+
+
+def flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40  # in the last tensor's bytes: the file still parses, only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "delete"])
+def test_a_damaged_snapshot_is_refused_and_recomputed(model, prompts, fresh, tmp_path, written, damage):
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}))  # it lists the files, then they change
+    snapshots = sorted(written.glob("*.kda.safetensors"))
+    assert len(snapshots) == 3
+    for path in snapshots[:2]:
+        flip_last_byte(path) if damage == "corrupt" else path.unlink()
+    assert_same(serve(engine, prompts), fresh)
+    stats = engine.stats()
+    assert stats["prefix_hits_refused"] == 2
+    assert stats["prefix_hit_tokens"] == 4 * 4 * BLOCK  # 2 refused first visits recompute; 4 hits remain
+    assert_drained(engine)
+
+
+def test_a_corrupt_block_file_ends_the_hit_before_it(model, prompts, fresh, tmp_path, written):
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}))
+    for path in sorted(written.glob("*.rows.safetensors")):
+        flip_last_byte(path)
+    assert_same(serve(engine, prompts), fresh)
+    stats = engine.stats()
+    assert stats["prefix_hits_refused"] >= 3 and stats["prefix_hit_tokens"] < 6 * 4 * BLOCK
+
+
+def test_another_models_spill_is_never_served(model, prompts, tmp_path, written):
+    torch.manual_seed(1)
+    other = type(model)(model.config).eval()
+    other_fresh = serve(Engine(other, service(other, prefix=False)), prompts)
+    engine = Engine(other, service(other, {"disk_dir": str(tmp_path)}))
+    own = engine.block_manager.disk.directory
+    assert own != written and own.parent == written.parent  # keyed by the weights' hash
+    for path in written.glob("*.safetensors"):  # even copied into its own directory, a file is refused
+        (own / path.name).write_bytes(path.read_bytes())
+    engine = Engine(other, service(other, {"disk_dir": str(tmp_path)}))
+    assert_same(serve(engine, prompts), other_fresh)
+    assert engine.stats()["prefix_hits_refused"] >= 3
+
+
+def test_a_directory_of_another_key_or_unwritable_is_an_error_at_start(model, tmp_path, written):
+    manifest = written / "spill.json"
+    manifest.write_text(manifest.read_text().replace('"key": "', '"key": "0'))
+    with pytest.raises(ValueError, match=r"prefix_cache.disk_dir: .* was written for another model or cache"):
+        Engine(model, service(model, {"disk_dir": str(tmp_path)}))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"prefix_cache.disk_dir: cannot write the spill directory .*\(key "):
+        Engine(model, service(model, {"disk_dir": str(blocker / "spill")}))
+
+
+def test_the_disk_tier_keeps_within_disk_bytes(model, prompts, fresh, tmp_path):
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path), "disk_bytes": 60_000}))
+    assert_same(serve(engine, prompts), fresh)
+    assert 0 < engine.stats()["spill_disk_bytes"] <= 60_000
+    assert sum(p.stat().st_size for p in engine.block_manager.disk.directory.glob("*.safetensors")) <= 60_000
+
+
+@pytest.mark.parametrize("section, memory, message", [
+    ({"host_bytes": -1}, {}, "prefix_cache.host_bytes: must be an integer >= 0"),
+    ({"disk_bytes": 10}, {}, "prefix_cache.disk_bytes: needs prefix_cache.disk_dir"),
+    ({"disk_dir": ""}, {}, "prefix_cache.disk_dir: must not be empty"),
+    ({"host_bytes": 10}, {"enable_prefix_caching": False, "prefix_snapshot_slots": 0},
+     "prefix_cache.host_bytes: spills the prefix cache: set memory.enable_prefix_caching true"),
+    ({"disk_dir": "x"}, {"prefix_snapshot_slots": 0}, "prefix_cache.disk_dir: needs memory.prefix_snapshot_slots"),
+    ({"host_bytes": "1 GB"}, {}, "prefix_cache.host_bytes: expected int"),
+    ({"hostbytes": 1}, {}, "prefix_cache.hostbytes: unknown key"),
+])
+def test_config_errors_name_the_key(section, memory, message):
+    data = {"memory": {"cache_bytes": 1 << 20, "enable_prefix_caching": True, **memory}, "prefix_cache": section}
+    with pytest.raises(ValueError, match=message):
+        ServiceConfig.from_dict(data)
+
+
+def test_the_spill_needs_the_forward_in_the_engines_process(model):
+    config = ServiceConfig.from_dict({"model": {"max_model_len": 64},
+                                      "memory": {"cache_bytes": 1 << 20, "enable_prefix_caching": True},
+                                      "parallel": {"forward_process": True}, "prefix_cache": {"host_bytes": 1}})
+    with pytest.raises(ValueError, match="prefix_cache: the spill reads the pools held by the engine's process"):
+        Engine(model, config)
+
+
+def test_the_host_tier_demotes_its_least_recently_used_entries():
+    demoted = []
+    host = HostTier(100, lambda h, kind, tensors: demoted.append((h, kind)))
+    entry = {"x": torch.zeros(10)}  # 40 bytes
+    for name in (b"a", b"b"):
+        host.put(name, "rows", dict(entry))
+    host.get(b"a", "rows")  # now b is the least recently used
+    host.put(b"c", "kda", dict(entry))
+    assert demoted == [(b"b", "rows")] and host.nbytes == 80
+    assert host.has(b"a", "rows") and host.has(b"c", "kda") and not host.has(b"b", "rows")
+    with pytest.raises(ValueError, match="prefix_cache.host_bytes"):
+        HostTier(-1)
