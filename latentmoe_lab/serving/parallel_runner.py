@@ -206,6 +206,33 @@ class WorkerGroup:
         return (torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), [seconds[r] for r in ranks],
                 [loads[r] for r in ranks])
 
+    def read_rows(self, positions: list[int], slot: int) -> list[dict[str, torch.Tensor]]:
+        """Every rank's rows of one request (flat positions, KDA slot; serving/disagg/), in rank order:
+        {name: tensor} as parallel_worker.rows_message sends them. WorkerGroupError on any failure."""
+        if not self.conns:
+            raise self._failure("the group was killed after an earlier failure")
+        try:
+            self.conns[0].send(({"kind": "read_rows", "positions": positions, "slot": slot}, None, None))
+        except OSError as error:
+            raise self._failure(f"rank 0 cannot take the read ({error})") from None
+        deadline = time.monotonic() + self.pconfig.timeout_s
+        rows: dict[int, dict] = {}
+        while len(rows) < len(self.conns):
+            ready = wait(self.conns + [p.sentinel for p in self.processes],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._failure(f"no rows within the group timeout ({self.pconfig.timeout_s}s)")
+            for rank, conn in enumerate(self.conns):
+                if conn in ready:
+                    reply = self._receive(rank)
+                    if reply is None or reply[0] != "rows":
+                        raise self._failure(f"rank {rank} failed to read the rows", reply)
+                    rows[rank] = {name: torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+                                  for name, (raw, dtype, shape) in reply[1].items()}
+            if any(p.sentinel in ready for p in self.processes):
+                raise self._failure("a rank died while reading the rows")
+        return [rows[rank] for rank in range(len(self.conns))]
+
     def _receive(self, rank: int):
         """Rank's next message, or None when its pipe is closed (the process died without a word)."""
         try:

@@ -212,6 +212,16 @@ def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: Mode
     dist.destroy_process_group()
 
 
+def rows_message(pools, positions: list[int], slot: int) -> dict[str, tuple]:
+    """This rank's rows of one request (serving/disagg/pool_rows.py) as name -> (uint8 numpy, dtype, shape):
+    numpy has no bf16, so every tensor travels as its bytes."""
+    from latentmoe_lab.serving.disagg.pool_rows import read_request_rows
+
+    rows = read_request_rows(pools, torch.tensor(positions, dtype=torch.int64), slot)
+    return {name: (t.contiguous().view(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."),
+                   tuple(t.shape)) for name, t in rows.items()}
+
+
 def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_s: float) -> None:
     while True:
         message = None
@@ -227,6 +237,9 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
         if header["kind"] == "stop":
             return
         if header["kind"] == "ping":
+            continue
+        if header["kind"] == "read_rows":  # a request's rows for a prefill -> decode transfer (serving/disagg/)
+            conn.send(("rows", rows_message(pools, header["positions"], header["slot"])))
             continue
         for src, dst in header["copies"]:
             pools.copy_slot(src, dst)

@@ -41,7 +41,11 @@ def prefill_step(engine) -> tuple[list, list[RequestCache]]:
 
     A request that finished at its first token (max_tokens 1, a stop id) is in the outputs, finished, and is
     not exported. A failed step (StepError) gives the outputs it finished; its requests are recomputed.
+    While held requests keep every slot (or block) and nothing runs, there is nothing to step: ([], []) until
+    an ack frees room.
     """
+    if _blocked_by_held(engine):
+        return [], []
     try:
         outputs = engine.step()
     except StepError as error:
@@ -49,6 +53,15 @@ def prefill_step(engine) -> tuple[list, list[RequestCache]]:
     caches = [export_request(engine, out.request_id) for out in outputs
               if not out.finished and len(out.token_ids) == 1 and out.request_id not in held_requests(engine)]
     return outputs, caches
+
+
+def _blocked_by_held(engine) -> bool:
+    """Nothing runs and the held requests' slots or blocks keep the waiting head out (a step would raise:
+    the engine refuses to spin on a queue it cannot admit)."""
+    scheduler, manager = engine.scheduler, engine.block_manager
+    if scheduler.running or not scheduler.waiting or not held_requests(engine):
+        return False
+    return not manager.free_slots or manager.num_free_blocks == 0
 
 
 def export_request(engine, request_id: int) -> RequestCache:
@@ -80,6 +93,14 @@ def export_request(engine, request_id: int) -> RequestCache:
 def held_requests(engine) -> list[int]:
     """Request ids exported from this engine and not yet released."""
     return list(_held.get(engine, {}))
+
+
+def held_sequence(engine, request_id: int) -> Sequence:
+    """The held (exported, not yet released) sequence of request_id: its block table and slot (tests, metrics)."""
+    held = _held.get(engine, {})
+    if request_id not in held:
+        raise ValueError(f"request_id: request {request_id} is not held by this engine")
+    return held[request_id][0]
 
 
 def release_exported(engine, request_id: int) -> None:
