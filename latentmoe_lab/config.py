@@ -63,6 +63,16 @@ class IndexerConfig:
 
 
 @dataclass
+class DSAConfig:
+    """Gated DSA layer options beyond MLA and the indexer (docs/design.md §15.1)."""
+
+    # DSA layers per lightning indexer: 1 = every DSA layer runs its own; k > 1 = of every k consecutive DSA
+    # layers only the first has an indexer, the next k - 1 reuse its top-k selection (no indexer weights and
+    # no index-key cache of their own).
+    index_share_every: int = 1
+
+
+@dataclass
 class MoEConfig:
     """Stable LatentMoE (docs/design.md §1.2)."""
 
@@ -119,6 +129,7 @@ class ModelConfig:
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
+    dsa: DSAConfig = field(default_factory=DSAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     vision: VisionConfig | None = field(default_factory=VisionConfig)
 
@@ -148,6 +159,20 @@ class ModelConfig:
     def num_kda_layers(self) -> int:
         return self.layer_types.count(KDA)
 
+    def index_source(self, layer_idx: int) -> int:
+        """The layer whose indexer selects for DSA layer `layer_idx`: itself, or with dsa.index_share_every = k
+        the first of its group of k consecutive DSA layers (docs/design.md §15.1)."""
+        dsa_layers = [i for i, kind in enumerate(self.layer_types) if kind == DSA]
+        if layer_idx not in dsa_layers:
+            raise ValueError(f"layer_idx: {layer_idx} is not a DSA layer of this config")
+        ordinal = dsa_layers.index(layer_idx)
+        return dsa_layers[ordinal - ordinal % self.dsa.index_share_every]
+
+    @property
+    def num_indexer_layers(self) -> int:
+        """DSA layers that run their own lightning indexer (and cache index keys)."""
+        return -(-self.num_dsa_layers // self.dsa.index_share_every)
+
     # -------------------------------------------------------------- validation
     def validate(self) -> None:
         check_field_types(self)
@@ -165,6 +190,7 @@ class ModelConfig:
             "mla.kv_lora_rank": self.mla.kv_lora_rank, "mla.qk_nope_head_dim": self.mla.qk_nope_head_dim,
             "mla.v_head_dim": self.mla.v_head_dim, "indexer.num_heads": self.indexer.num_heads,
             "indexer.head_dim": self.indexer.head_dim, "indexer.topk": self.indexer.topk,
+            "dsa.index_share_every": self.dsa.index_share_every,
             "moe.num_experts": self.moe.num_experts, "moe.top_k": self.moe.top_k,
             "moe.expert_intermediate_size": self.moe.expert_intermediate_size,
             "moe.latent_size": self.moe.latent_size, "moe.n_group": self.moe.n_group,
@@ -349,7 +375,8 @@ def _parse(text: str, language: str) -> Any:
         raise ValueError(f"text: not valid JSON: {reason}") from None
 
 
-_NESTED = {"kda": KDAConfig, "mla": MLAConfig, "indexer": IndexerConfig, "moe": MoEConfig, "vision": VisionConfig}
+_NESTED = {"kda": KDAConfig, "mla": MLAConfig, "indexer": IndexerConfig, "dsa": DSAConfig, "moe": MoEConfig,
+           "vision": VisionConfig}
 
 
 def _from_dict(cls, data: dict[str, Any], prefix: str):

@@ -67,14 +67,18 @@ class DSAPool:
     latent_dim: int
     index_dim: int
 
-    def write(self, slot_mapping: torch.Tensor, latent_rope: torch.Tensor, index_keys: torch.Tensor) -> None:
-        """slot_mapping [N]; latent_rope [N, kv_lora + rope]; index_keys [N, d_I]."""
+    def write(self, slot_mapping: torch.Tensor, latent_rope: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """slot_mapping [N]; latent_rope [N, kv_lora + rope]; index_keys [N, d_I], None in a layer that
+        reuses another layer's selection (dsa.index_share_every; its index pool is empty)."""
         self.latent_format.write(self.latent, slot_mapping, latent_rope.detach())
-        self.index_format.write(self.index, slot_mapping, index_keys.detach())
+        if index_keys is not None:
+            self.index_format.write(self.index, slot_mapping, index_keys.detach())
 
-    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [M] flat -> (latent_rope [M, kv_lora + rope], index_keys [M, d_I])."""
-        return (self.latent_format.read(self.latent, positions), self.index_format.read(self.index, positions))
+    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """positions [M] flat -> (latent_rope [M, kv_lora + rope], index_keys [M, d_I]; None in a layer
+        without index keys of its own)."""
+        index = self.index_format.read(self.index, positions) if self.index.numel() else None
+        return self.latent_format.read(self.latent, positions), index
 
 
 @dataclass
@@ -130,7 +134,7 @@ def paged_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, num_
     conv_bytes = torch.empty((), dtype=dtype).element_size()
     return {
         "dsa_latent": num_dsa * tokens * latent_format.bytes_per_token(d["latent"]),
-        "dsa_index": num_dsa * tokens * index_format.bytes_per_token(d["index"]),
+        "dsa_index": config.num_indexer_layers * tokens * index_format.bytes_per_token(d["index"]),
         "kda_state": num_kda * num_slots * d["heads"] * d["d_k"] * d["d_v"] * 4,
         "kda_conv": num_kda * num_slots * d["channels"] * d["history"] * conv_bytes,
     }
@@ -151,20 +155,24 @@ class PagedPools:
         self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
         d = _dims(config)
         self.layers: list[DSAPool | KDAPool] = []
-        for kind in config.layer_types:
+        for layer_idx, kind in enumerate(config.layer_types):
             if kind == DSA:
-                latent = self._allocate(self.latent_format, "latent_format", d["latent"])
-                index = self._allocate(self.index_format, "index_format", d["index"])
-                self.layers.append(DSAPool(latent, index, self.latent_format, self.index_format,
-                                           d["latent"], d["index"]))
+                self.layers.append(self._dsa_pool(d, config.index_source(layer_idx) == layer_idx))
             else:
                 state = torch.zeros(num_slots, d["heads"], d["d_k"], d["d_v"], dtype=torch.float32, device=self.device)
                 conv = torch.zeros(num_slots, d["channels"], d["history"], dtype=dtype, device=self.device)
                 self.layers.append(KDAPool(state, conv))
 
-    def _allocate(self, fmt, name: str, dim: int) -> torch.Tensor:
-        storage = fmt.allocate(self.num_blocks, self.block_size, dim, self.device)
-        expected = self.num_blocks * self.block_size * fmt.bytes_per_token(dim)
+    def _dsa_pool(self, d: dict[str, int], own_indexer: bool) -> DSAPool:
+        """One DSA layer's pool on self.device; a layer that reuses another's selection keeps no index keys."""
+        latent = self._allocate(self.latent_format, "latent_format", d["latent"])
+        index = self._allocate(self.index_format, "index_format", d["index"], self.num_blocks if own_indexer else 0)
+        return DSAPool(latent, index, self.latent_format, self.index_format, d["latent"], d["index"])
+
+    def _allocate(self, fmt, name: str, dim: int, num_blocks: int | None = None, device=None) -> torch.Tensor:
+        num_blocks = self.num_blocks if num_blocks is None else num_blocks
+        storage = fmt.allocate(num_blocks, self.block_size, dim, self.device if device is None else device)
+        expected = num_blocks * self.block_size * fmt.bytes_per_token(dim)
         if not isinstance(storage, torch.Tensor) or storage.numel() * storage.element_size() != expected:
             got = storage.numel() * storage.element_size() if isinstance(storage, torch.Tensor) else type(storage)
             raise ValueError(f"{name}: allocate() must return a tensor of num_blocks * block_size * "
@@ -213,6 +221,7 @@ class PagedPools:
 
     def check_compatible(self, config: ModelConfig) -> None:
         """Raise ValueError unless these pools were shaped for a model with `config`'s layers and cache dims."""
-        if list(config.layer_types) != list(self.config.layer_types) or _dims(config) != _dims(self.config):
+        if list(config.layer_types) != list(self.config.layer_types) or _dims(config) != _dims(self.config) \
+                or config.dsa.index_share_every != self.config.dsa.index_share_every:
             raise ValueError("pools: built for a model with different layers or cache dims than this one "
                              f"(layer_types {list(self.config.layer_types)} vs {list(config.layer_types)})")

@@ -35,6 +35,7 @@ from latentmoe_lab.ops.activations import sigmoid
 from latentmoe_lab.ops.paged_sparse import paged_dense_attention, paged_index_topk, paged_sparse_attention
 from latentmoe_lab.ops.sparse_attention import (dense_causal_attention, index_scores, index_topk,
                                                 sparse_attention)
+from latentmoe_lab.offload_tier import OffloadedDSAPool
 from latentmoe_lab.paged_pools import DSAPool
 
 
@@ -90,6 +91,19 @@ class LightningIndexer(nn.Module):
                                            offset + start, None if first_key is None else first_key[:, start:stop])
 
 
+class SharedSelection:
+    """The top-k selections of one indexer layer's latest forward, in call order, for the DSA layers after it
+    that reuse them (dsa.index_share_every > 1, docs/design.md §15.1). Both layers split a forward into the
+    same query blocks, decode groups and chunks, so the n-th selection of the source is the reuser's n-th."""
+
+    def __init__(self, source_layer: int):
+        self.source_layer, self.entries = source_layer, []
+
+    def record(self, positions: torch.Tensor) -> torch.Tensor:
+        self.entries.append(positions)
+        return positions
+
+
 class GatedDSA(nn.Module):
     """forward(x [B, T, hidden], cache=None, absorb=None, dense=False) -> [B, T, hidden].
 
@@ -127,8 +141,38 @@ class GatedDSA(nn.Module):
         self.kv_norm = RMSNorm(mla.kv_lora_rank, eps)
         self.wkv_b = nn.Linear(mla.kv_lora_rank, mla.num_heads * (self.nope_dim + self.v_head_dim), bias=False)
         self.indexer = LightningIndexer(config)
+        # index sharing (share_selection): "source" records its selections into shared_selection, "reuse"
+        # replays them and has no indexer of its own
+        self.selection_role, self.shared_selection, self._replayed = "own", None, 0
         self.w_gate = nn.Linear(config.hidden_size, mla.num_heads * mla.v_head_dim, bias=False)
         self.wo = nn.Linear(mla.num_heads * mla.v_head_dim, config.hidden_size, bias=False)
+
+    def share_selection(self, shared: SharedSelection, role: str) -> None:
+        """Take part in index sharing: role "source" records every selection into `shared`; "reuse" drops this
+        layer's indexer (no weights, no index keys) and replays the source's selections instead."""
+        if role not in ("source", "reuse"):
+            raise ValueError(f"role: expected 'source' or 'reuse', got {role!r}")
+        self.selection_role, self.shared_selection = role, shared
+        if role == "reuse":
+            self.indexer = None
+
+    def _select(self, compute) -> torch.Tensor:
+        """The next top-k selection: computed by this layer's indexer (and recorded, for a source) or replayed."""
+        if self.selection_role == "own":
+            return compute()
+        if self.selection_role == "source":
+            return self.shared_selection.record(compute())
+        entries = self.shared_selection.entries
+        if self._replayed >= len(entries):
+            raise RuntimeError(f"dsa.index_share_every: this layer reuses layer {self.shared_selection.source_layer}'s "
+                               "selections, but that layer did not run this forward first (or split it otherwise)")
+        self._replayed += 1
+        return entries[self._replayed - 1]
+
+    def _begin_selections(self) -> None:
+        if self.selection_role == "source":
+            self.shared_selection.entries = []
+        self._replayed = 0
 
     @record_function("attn.dsa")
     def forward(self, x: torch.Tensor, cache: DSALayerCache | None = None, absorb: bool | None = None,
@@ -145,6 +189,7 @@ class GatedDSA(nn.Module):
         batch + pool (serving, docs/design.md §6.4): x is [1, total, hidden], the new tokens of batch's S
         sequences, written to the paged pool and attending over their own sequence's keys (sparse, absorbed).
         """
+        self._begin_selections()
         if batch is not None or pool is not None:
             return self._forward_paged(x, batch, pool, cache, absorb, dense, sequence_start)
         self._check_inputs(x, cache, absorb)
@@ -204,7 +249,8 @@ class GatedDSA(nn.Module):
         q = rearrange(self.wq_b(c_q), "b t (h d) -> b t h d", h=self.num_heads)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return c_q, q_nope, q_rope, self.kv_norm(kv_latent), k_rope, self.indexer.keys(x)
+        index_keys = x.new_zeros(*x.shape[:2], 0) if self.indexer is None else self.indexer.keys(x)  # reuse: none
+        return c_q, q_nope, q_rope, self.kv_norm(kv_latent), k_rope, index_keys
 
     # ------------------------------------------------------------------------------ attention forms
     def _expanded_qkv(self, q_nope, q_rope, latent_rope):
@@ -239,9 +285,19 @@ class GatedDSA(nn.Module):
         if dense:
             return dense_causal_attention(q, k, v, scale=self.scale, offset=offset)
         blocks = [sparse_attention(q[:, start:stop], k, v, indices, scale=self.scale)
-                  for start, stop, indices in self.indexer.select_blocks(x, c_q, index_keys, offset, self.query_block,
-                                                                         first_key)]
+                  for start, stop, indices in self._select_blocks(x, c_q, index_keys, offset, first_key)]
         return torch.cat(blocks, dim=1) if blocks else q.new_zeros(*q.shape[:3], v.shape[-1])
+
+    def _select_blocks(self, x, c_q, index_keys, offset, first_key):
+        """LightningIndexer.select_blocks over query_block queries at a time, through _select."""
+        if self.selection_role == "own":
+            yield from self.indexer.select_blocks(x, c_q, index_keys, offset, self.query_block, first_key)
+            return
+        blocks = self.indexer.select_blocks(x, c_q, index_keys, offset, self.query_block, first_key) \
+            if self.indexer is not None else None
+        for start in range(0, x.shape[1], self.query_block):
+            stop = min(start + self.query_block, x.shape[1])
+            yield start, stop, self._select(lambda: next(blocks)[2])
 
     # ------------------------------------------------------------------------------ paged (serving)
     def _forward_paged(self, x: torch.Tensor, batch: ForwardBatch | None, pool: DSAPool | None,
@@ -271,7 +327,8 @@ class GatedDSA(nn.Module):
         if self.paged_reads not in self.PAGED_READS:
             raise ValueError(f"paged_reads: expected one of {self.PAGED_READS}, got {self.paged_reads!r}")
         c_q, q_nope, q_rope, latent, k_rope, index_keys = self.project(x)
-        pool.write(batch.slot_mapping, torch.cat([latent, k_rope], dim=-1)[0], index_keys[0])
+        pool.write(batch.slot_mapping, torch.cat([latent, k_rope], dim=-1)[0],
+                   None if self.indexer is None else index_keys[0])
         w_kb, w_vb = self._absorb_weights()
         attend = self._paged_attend_blocks if self.paged_reads == "blocks" else self._paged_attend_gathered
         attn = attend(batch, pool, x, c_q, q_nope, q_rope, w_kb)  # [1, total, H, kv_lora]
@@ -282,15 +339,18 @@ class GatedDSA(nn.Module):
         q = self._absorbed_query(q_nope, q_rope, w_kb)  # [1, total, H, kv_lora + rope]
         attn = q.new_empty(*q.shape[:3], self.kv_lora_rank)
         starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
-        reads = (batch.block_size, partial(pool.latent_format.read, pool.latent),
-                 partial(pool.index_format.read, pool.index))
+        offloaded = isinstance(pool, OffloadedDSAPool)  # host tier: decodes read hot buffers, chunks the host
+        read_latent = pool.read_latent if offloaded else partial(pool.latent_format.read, pool.latent)
+        reads = (batch.block_size, read_latent, partial(pool.index_format.read, pool.index))
         decodes = batch.decode_indices()
         for group in _decode_groups(decodes, batch.context_len.tolist()):
             seqs = torch.tensor(group, device=x.device)
             tokens = batch.query_start[seqs]
             one = (q[0, tokens][:, None], x[0, tokens][:, None], c_q[0, tokens][:, None])  # [S_dec, 1, *] each
+            group_reads = (reads if not offloaded
+                           else (reads[0], pool.hot_reader(batch.state_slot[seqs].tolist()), reads[2]))
             attn[0, tokens] = self._attend_blocks(*one, batch.context_len[seqs][:, None], batch.block_table[seqs],
-                                                  *reads)[:, 0]
+                                                  *group_reads)[:, 0]
         for i in batch.chunk_indices():
             span = slice(starts[i], starts[i + 1])
             query_pos = (batch.context_len[i] + torch.arange(lengths[i], device=x.device))[None]
@@ -323,12 +383,15 @@ class GatedDSA(nn.Module):
     def _attend_selected(self, q, x, c_q, query_pos, block_table, block_size, read_latent, read_index):
         """`_attend_blocks` for queries that may see more than topk keys: the indexer's top-k, then sparse."""
         starts = range(0, x.shape[1], self.query_block)
-        with record_function("attn.dsa.indexer"):
+
+        def select() -> torch.Tensor:
             projected = [self.indexer.queries(x[:, s:s + self.query_block], c_q[:, s:s + self.query_block])
                          for s in starts]
             q_idx, head_weights = (torch.cat(parts, dim=1) for parts in zip(*projected))
-            positions = paged_index_topk(q_idx, head_weights, query_pos, block_table, block_size, read_index,
-                                         self.indexer.topk, self.key_block)
+            return paged_index_topk(q_idx, head_weights, query_pos, block_table, block_size, read_index,
+                                    self.indexer.topk, self.key_block)
+        with record_function("attn.dsa.indexer"):
+            positions = self._select(select)
         return torch.cat([paged_sparse_attention(q[:, s:s + self.query_block], positions[:, s:s + self.query_block],
                                                  block_table, block_size, read_latent, self.kv_lora_rank, self.scale)
                           for s in starts], dim=1)
@@ -350,8 +413,8 @@ class GatedDSA(nn.Module):
             context = int(batch.context_len[i])
             keys, keys_index = pool.read(_sequence_positions(batch, i, context + lengths[i]))
             q, k, v = self._absorbed_qkv(q_nope[:, span], q_rope[:, span], keys.to(x.dtype)[None], w_kb)
-            attn[:, span] = self._attend(q, k, v, x[:, span], c_q[:, span], keys_index.to(x.dtype)[None],
-                                         context, False)
+            attn[:, span] = self._attend(q, k, v, x[:, span], c_q[:, span],
+                                         None if keys_index is None else keys_index.to(x.dtype)[None], context, False)
         return attn
 
     def _gather_left_padded(self, batch: ForwardBatch, pool: DSAPool, seqs: torch.Tensor, dtype: torch.dtype):
@@ -368,7 +431,8 @@ class GatedDSA(nn.Module):
         blocks = batch.block_table[seqs].gather(1, token // batch.block_size)
         keys, keys_index = pool.read((blocks * batch.block_size + token % batch.block_size).flatten())
         shape = (len(seqs), longest, -1)
-        return keys.to(dtype).reshape(shape), keys_index.to(dtype).reshape(shape), pad[:, None]
+        index = None if keys_index is None else keys_index.to(dtype).reshape(shape)  # None: index sharing reuser
+        return keys.to(dtype).reshape(shape), index, pad[:, None]
 
     # ------------------------------------------------------------------------------------ checks
     def _check_inputs(self, x: torch.Tensor, cache: DSALayerCache | None, absorb: bool | None) -> None:
@@ -408,3 +472,15 @@ def _decode_groups(decodes: list[int], context_lens: list[int], max_padding: flo
             groups.append([seq])
             real = keys
     return groups
+
+
+def link_shared_indexers(config: ModelConfig, attentions: list[nn.Module]) -> None:
+    """Wire dsa.index_share_every: each DSA layer of `attentions` (config.layer_types order) whose index source
+    is another layer reuses that layer's selections (docs/design.md §15.1). A no-op at the default of 1."""
+    for layer_idx, attn in enumerate(attentions):
+        if not isinstance(attn, GatedDSA) or config.index_source(layer_idx) == layer_idx:
+            continue
+        source = attentions[config.index_source(layer_idx)]
+        if source.shared_selection is None:
+            source.share_selection(SharedSelection(config.index_source(layer_idx)), "source")
+        attn.share_selection(source.shared_selection, "reuse")

@@ -156,3 +156,103 @@ def step_times(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workl
         out[phase] = {key: (m + pconfig.pp - 1) * value for key, value in slowest.items()}
     out["decode"]["tokens_per_s"] = workload.sequences / out["decode"]["sequential"]
     return out
+
+
+# --------------------------------------------------------------------------- one decode token at long context
+HOST_LINK_BANDWIDTH = 64e9  # bytes/s host -> device, one direction: PCIe Gen5 x16 nominal (the host tier's link)
+ROOFLINE_PARTS = ("indexer scan", "top-k gather", "host -> hot swap", "sparse attention", "KDA state r/w",
+                  "MoE weights", "other weights")
+
+
+def decode_roofline(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, context: int = 2 ** 20,
+                    kv_cache_dtype: str = "fp8", expert_format: str = "fp8", swap_fraction: float | None = None,
+                    host_bandwidth: float = HOST_LINK_BANDWIDTH) -> dict[str, dict[str, float]]:
+    """One sequence's decode token at `context` positions, per part, summed over the layers (docs/design.md §15.2).
+
+    A lone sequence crosses the pp stages one after the other, so its token takes the sum over every layer
+    of that layer's time on its device: max(bytes / HBM bandwidth, FLOPs / peak) per part. Per layer:
+      indexer scan       indexer layers only (dsa.index_share_every): every index key read, 2 H_I d_I FLOPs each
+      top-k gather       min(top-k, context) latent + rope rows read
+      host -> hot swap   with swap_fraction (memory.offload): that share of the top-k rows crosses the host
+                         link (host_bandwidth) into the hot buffer; None: no host tier
+      sparse attention   absorbed MLA over the top-k: 2 (kv_lora + rope + kv_lora) FLOPs per head and row
+      KDA state r/w      the fp32 state [H / tp, d_k, d_v] read and written
+      MoE weights        the routed experts one token touches on the busiest EP rank (ceil(top_k / ep)) and
+                         the shared experts, intermediate / tp, in expert_format (shared in bf16)
+      other weights      attention / KDA / dense-FFN projections / tp in bf16
+    -> {part: {"bytes", "flops", "seconds", "layers"}} plus "total": {"seconds", "tokens_per_s"}.
+    """
+    from latentmoe_lab.quant.kv import kv_bytes_per_token
+
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise ValueError(f"context: must be a positive int, got {context!r}")
+    if swap_fraction is not None and not 0 <= swap_fraction <= 1:
+        raise ValueError(f"swap_fraction: must lie in [0, 1] or be None, got {swap_fraction!r}")
+    mla, idx, kda, moe, tp = config.mla, config.indexer, config.kda, config.moe, pconfig.tp
+    per_token = kv_bytes_per_token(config, kv_cache_dtype)
+    selected = min(idx.topk, context)
+    attention_params = _projection_params(config)
+    parts = {name: {"bytes": 0.0, "flops": 0.0, "seconds": 0.0, "layers": 0} for name in ROOFLINE_PARTS}
+
+    def add(name: str, bytes_: float, flops: float = 0.0, bandwidth: float = hw.hbm_bandwidth) -> None:
+        part = parts[name]
+        part["bytes"] += bytes_
+        part["flops"] += flops
+        part["seconds"] += max(bytes_ / bandwidth, flops / hw.peak_flops)
+        part["layers"] += 1
+
+    for layer, kind in enumerate(config.layer_types):
+        if kind == KDA:
+            heads = kda.num_heads // tp
+            add("KDA state r/w", 2 * heads * kda.head_dim_k * kda.head_dim_v * 4, heads * 6 * kda.head_dim_k * kda.head_dim_v)
+        else:
+            if config.index_source(layer) == layer:
+                add("indexer scan", context * per_token["index"], 2 * idx.num_heads * idx.head_dim * context)
+            add("top-k gather", selected * per_token["mla"])
+            if swap_fraction is not None:
+                add("host -> hot swap", swap_fraction * selected * per_token["mla"], bandwidth=host_bandwidth)
+            add("sparse attention", 0.0, 2 * mla.num_heads // tp * selected * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim))
+        add("other weights", attention_params[kind] / tp * 2)
+        if config.is_moe_layer(layer):
+            expert = 3 * moe.latent_size * (moe.expert_intermediate_size // tp)
+            shared = 3 * config.hidden_size * moe.expert_intermediate_size * moe.num_shared_experts / tp
+            add("MoE weights", -(-moe.top_k // pconfig.ep) * expert * BITS_PER_WEIGHT[expert_format] / 8 + shared * 2,
+                2 * (-(-moe.top_k // pconfig.ep) * expert + shared))
+        else:
+            add("other weights", 3 * config.hidden_size * config.dense_intermediate_size / tp * 2)
+    total = sum(part["seconds"] for part in parts.values())
+    return parts | {"total": {"seconds": total, "tokens_per_s": 1 / total}}
+
+
+def _projection_params(config: ModelConfig) -> dict[str, int]:
+    """Parameters of one KDA and one DSA attention block (projections, norms, the indexer), counted on meta."""
+    import torch
+
+    from latentmoe_lab.layers.dsa import GatedDSA
+    from latentmoe_lab.layers.kda import KimiDeltaAttention
+
+    with torch.device("meta"):
+        return {KDA: sum(p.numel() for p in KimiDeltaAttention(config).parameters()),
+                "dsa": sum(p.numel() for p in GatedDSA(config).parameters())}
+
+
+def decode_roofline_text(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, context: int = 2 ** 20,
+                         kv_cache_dtype: str = "fp8", expert_format: str = "fp8",
+                         swap_fraction: float | None = None) -> str:
+    """decode_roofline as a table: one line per part, its share of the token's time."""
+    rows = decode_roofline(config, pconfig, hw, context, kv_cache_dtype, expert_format, swap_fraction)
+    total = rows.pop("total")
+    from latentmoe_lab.meta import format_bytes
+
+    swap = "no host tier" if swap_fraction is None else f"host tier, {swap_fraction:.0%} of top-k rows swapped in"
+    lines = [f"decode roofline, one sequence at {context:,} tokens, TP {pconfig.tp} x EP {pconfig.ep} x PP "
+             f"{pconfig.pp} on {hw.name} ({kv_cache_dtype} cache, {expert_format} experts, {swap}, "
+             f"dsa.index_share_every {config.dsa.index_share_every}):",
+             f"  {'part':<20}{'layers':>7}{'bytes':>12}{'GFLOP':>9}{'ms':>9}{'share':>8}"]
+    for name, part in rows.items():
+        if part["layers"]:
+            lines.append(f"  {name:<20}{part['layers']:>7}{format_bytes(part['bytes']):>12}{part['flops'] / 1e9:>9.2f}"
+                         f"{part['seconds'] * 1e3:>9.3f}{part['seconds'] / total['seconds']:>8.1%}")
+    lines.append(f"  {'token':<20}{'':>7}{'':>12}{'':>9}{total['seconds'] * 1e3:>9.3f}   "
+                 f"= {total['tokens_per_s']:.1f} tokens/s for this sequence")
+    return "\n".join(lines)
