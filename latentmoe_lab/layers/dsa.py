@@ -124,6 +124,7 @@ class GatedDSA(nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         self.query_block, self.key_block = query_block, key_block
+        self.topk = config.indexer.topk  # also known to a layer that reuses another's selection (no indexer)
         self.paged_reads = "blocks"
         self.paged_dense_prefix = True
         mla = config.mla
@@ -369,7 +370,7 @@ class GatedDSA(nn.Module):
         queries are projected per query block, as the gather path does (the dense prefix is cut at a query
         block boundary unless it is the whole call), so both paths rank bit-identical scores.
         """
-        seeing_all = int((query_pos < self.indexer.topk).sum(dim=1).min()) if self.paged_dense_prefix else 0
+        seeing_all = int((query_pos < self.topk).sum(dim=1).min()) if self.paged_dense_prefix else 0
         dense = seeing_all if seeing_all == x.shape[1] else seeing_all // self.query_block * self.query_block
         parts = [paged_dense_attention(q[:, s:min(s + self.query_block, dense)],
                                        query_pos[:, s:min(s + self.query_block, dense)], block_table, block_size,
