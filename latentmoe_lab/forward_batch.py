@@ -26,6 +26,14 @@ continues from `context_len` tokens already in the paged pools (latentmoe_lab/pa
     logits_index   [R] | None      flat indices of the new tokens whose logits the model returns, in order;
                                    None: each sequence's last new token (last_token_index, R = S). The engine
                                    adds prompt positions of requests that asked for prompt logprobs
+                                   and the draft positions of speculating sequences
+    spec_slots     [S, W] | None   speculative verify (docs/design.md §12): row i of a verifying sequence lists
+                                   the KDA slot that receives the state and conv tail after EACH of its n_i new
+                                   tokens (column 0 is its state_slot, the step starts from there; -1 past n_i);
+                                   a row of -1 is an ordinary sequence. The engine then keeps the slot of the
+                                   last accepted token: rejection is a slot choice, never a copy
+    hidden_index   [H] | None      flat indices of the new tokens whose last hidden state (before the final
+                                   norm) the model returns as .hidden [H, hidden] (the MTP drafter's input)
 
 All index tensors are int64 on the model's device. Every sequence has at least one new token. The model
 returns logits [R, vocab] fp32 at output_index: one row per sequence at its last new token unless
@@ -53,6 +61,8 @@ class ForwardBatch:
     image_mask: torch.Tensor | None = None
     decode: torch.Tensor | None = None
     logits_index: torch.Tensor | None = None
+    spec_slots: torch.Tensor | None = None
+    hidden_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -70,12 +80,21 @@ class ForwardBatch:
     def decode_indices(self) -> list[int]:
         """The sequences that advance as decodes: one new token and `decode` (default True)."""
         flags = [True] * self.num_seqs if self.decode is None else self.decode.tolist()
-        return [i for i, (n, flag) in enumerate(zip(self.query_len.tolist(), flags)) if n == 1 and flag]
+        verifying = set(self.verify_indices())
+        return [i for i, (n, flag) in enumerate(zip(self.query_len.tolist(), flags))
+                if n == 1 and flag and i not in verifying]
 
     def chunk_indices(self) -> list[int]:
-        """The other sequences: prompt chunks (of any length), each run through the chunked forms."""
+        """The other sequences: prompt chunks (of any length) and verify steps, each run through the chunked
+        forms by DSA (KDA runs verify steps token by token, see verify_indices)."""
         decodes = set(self.decode_indices())
         return [i for i in range(self.num_seqs) if i not in decodes]
+
+    def verify_indices(self) -> list[int]:
+        """The speculating sequences (spec_slots row not -1): KDA keeps the state after each of their tokens."""
+        if self.spec_slots is None:
+            return []
+        return (self.spec_slots[:, 0] >= 0).nonzero().flatten().tolist()
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -172,6 +191,12 @@ class ForwardBatch:
                 not isinstance(self.logits_index, torch.Tensor) or self.logits_index.dtype != torch.int64
                 or self.logits_index.dim() != 1 or bool(((self.logits_index < 0) | (self.logits_index >= total)).any())):
             raise ValueError(f"batch.logits_index: expected int64 indices [R] into the {total} new tokens")
+        self._check_spec_slots(num_slots)
+        for name in ("hidden_index",):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.Tensor) or value.dtype != torch.int64
+                                      or value.dim() != 1 or bool(((value < 0) | (value >= total)).any())):
+                raise ValueError(f"batch.{name}: expected int64 indices [H] into the {total} new tokens")
         owner = torch.repeat_interleave(torch.arange(seqs, device=self.positions.device), self.query_len)
         within = torch.arange(total, device=self.positions.device) - self.query_start[owner]
         if not torch.equal(self.positions, self.context_len[owner] + within):
@@ -201,6 +226,37 @@ class ForwardBatch:
         known = torch.arange(self.block_table.shape[1], device=self.block_table.device) <= last_column[:, None]
         if bool(((self.block_table < 0) & known).any()):
             raise ValueError("batch.block_table: a sequence lacks a block for part of its cached context")
+
+    def _check_spec_slots(self, num_slots: int) -> None:
+        """spec_slots: -1 rows, or column 0 == state_slot, then distinct slots for the other new tokens,
+        -1 past them; no slot written twice in the step (two verify rows, or one and another's state_slot)."""
+        spec = self.spec_slots
+        if spec is None:
+            return
+        seqs = self.context_len.shape[0]
+        if not isinstance(spec, torch.Tensor) or spec.dtype != torch.int64 or spec.dim() != 2 \
+                or spec.shape[0] != seqs or spec.shape[1] < 1:
+            raise ValueError(f"batch.spec_slots: expected an int64 tensor [S={seqs}, W], got "
+                             f"{getattr(spec, 'dtype', type(spec))} {tuple(getattr(spec, 'shape', ()))}")
+        if bool((spec < -1).any()) or bool((spec >= num_slots).any()):
+            raise ValueError(f"batch.spec_slots: entries must be slot ids in [0, num_slots={num_slots}) or -1")
+        width = torch.arange(spec.shape[1], device=spec.device)
+        written = []
+        for i in self.verify_indices():
+            n = int(self.query_len[i])
+            row = spec[i]
+            if n < 2 or n > spec.shape[1] or bool((row[:n] < 0).any()) or bool((row[n:] >= 0).any()) \
+                    or int(row[0]) != int(self.state_slot[i]):
+                raise ValueError(f"batch.spec_slots: row {i} must hold state_slot ({int(self.state_slot[i])}) and "
+                                 f"then one slot for each of its other {n - 1} new tokens (n >= 2), -1 after, "
+                                 f"got {row.tolist()}")
+            written.append(row[width < n])
+        if written:
+            others = [self.state_slot[i:i + 1] for i in range(seqs) if i not in set(self.verify_indices())]
+            every = torch.cat(written + others)
+            if every.unique().numel() != every.numel():
+                raise ValueError("batch.spec_slots: a KDA slot is written twice in the step (shared by two "
+                                 "verify rows, or also another sequence's state_slot)")
 
     def checked_image_mask(self, image_token_id: int | None, hidden_size: int) -> torch.Tensor:
         """The [total] bool mask of the new tokens that take image_features, after checking both fields.

@@ -47,6 +47,7 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None  # with labels and config.mtp_depth > 0: the MTP head's loss (mtp.py)
+    hidden: torch.Tensor | None = None  # serving with batch.hidden_index: [H, hidden] before the final norm
 
 
 class DecoderBlock(nn.Module):
@@ -246,7 +247,8 @@ class LatentMoEForCausalLM(nn.Module):
             finite.append(all_finite(x))
         last = self.norm(x[:, batch.output_index])  # [1, R, hidden]: norm and head are token-wise
         finite.append(all_finite(last))
-        return CausalLMOutput(logits=self.lm_head(last).float()[0], finite=torch.stack(finite))
+        hidden = None if batch.hidden_index is None else x[0, batch.hidden_index]  # the MTP drafter's input
+        return CausalLMOutput(logits=self.lm_head(last).float()[0], finite=torch.stack(finite), hidden=hidden)
 
     def _embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
                image_grids: torch.Tensor | None) -> torch.Tensor:

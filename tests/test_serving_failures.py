@@ -198,7 +198,7 @@ def _scheduler(budget=16):
 def _step(scheduler) -> dict[str, int]:
     """One scheduled step with a token sampled for each emitting entry -> {name: new tokens}."""
     batch = scheduler.schedule()
-    scheduler.finish_step(batch, {s.request_id: 7 for (s, _), e in zip(batch.entries, batch.emits()) if e})
+    scheduler.finish_step(batch, {s.request_id: [7] for (s, _), e in zip(batch.entries, batch.emits()) if e})
     return {"abcde"[s.request_id]: n for s, n in batch.entries}
 
 

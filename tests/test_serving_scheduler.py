@@ -73,7 +73,7 @@ def add(scheduler, request_id, length, max_tokens=4):
 
 
 def finish(scheduler, batch, token=7):
-    scheduler.finish_step(batch, {seq.request_id: token for (seq, _), e in zip(batch.entries, batch.emits()) if e})
+    scheduler.finish_step(batch, {seq.request_id: [token] for (seq, _), e in zip(batch.entries, batch.emits()) if e})
 
 
 def test_decodes_first_then_chunks_within_the_budget():

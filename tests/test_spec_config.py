@@ -1,4 +1,4 @@
-"""The service file's speculative: section: its checks, the drafter it names, and the engine's refusal at start."""
+"""The service file's speculative: section: its checks, the drafter it names, and what the engine refuses at start."""
 import pytest
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
@@ -44,17 +44,17 @@ def test_sections_read_from_yaml_and_name_their_drafter(tmp_path):
                       MTPDrafter)
 
 
-def test_the_engine_refuses_speculation_before_allocating_anything(model, monkeypatch):
+def test_the_engine_refuses_mtp_without_a_head_before_allocating_anything(model, monkeypatch):
     from latentmoe_lab.serving import engine
 
     allocated, allocate = [], engine.allocate_pools
     monkeypatch.setattr(engine, "allocate_pools", lambda *a, **k: allocated.append(a) or allocate(*a, **k))
     with pytest.raises(ValueError, match=r"speculative\.method: 'mtp' needs a model with an MTP head"):
         Engine(model, _config({"method": "mtp", "num_speculative_tokens": 3}))
+    assert allocated == []
     head = LatentMoEForCausalLM(ModelConfig.from_preset("tiny").replace(mtp_depth=1)).eval()
     for method, which in (("ngram", model), ("mtp", head)):
-        with pytest.raises(ValueError, match="speculative: method .* is not implemented yet"):
-            Engine(which, _config({"method": method, "num_speculative_tokens": 2}))
-    assert allocated == []
+        engine = Engine(which, _config({"method": method, "num_speculative_tokens": 2}))
+        assert engine.speculator.drafter.name == method and engine.plan.num_slots == 2 * 3  # K + 1 per sequence
     Engine(model, _config(None))  # absent: off, and the engine starts
-    assert len(allocated) == 1
+    assert len(allocated) == 3

@@ -4,7 +4,9 @@ A serving step packs S sequences into x [1, total, hidden] (ForwardBatch); each 
 layer's KDAPool: a conv tail pool.conv[slot] [channels, kernel-1] and a state pool.state[slot]
 [H, d_k, d_v] fp32. Decodes (batch.decode_indices(): one generated token) of many sequences advance
 together; a prompt chunk, even of one token, runs the chunked form on its own (a loop over sequences,
-never over tokens).
+never over tokens). A verify step of speculative decoding (batch.spec_slots, docs/design.md §12) runs its
+K + 1 tokens one recurrent step at a time and leaves the state and conv tail after each in its own slot
+(`advance_verify`); the engine then keeps the slot of the last accepted token.
 
 Two ways to advance the states, with the same math:
   - `advance_gathered`, the reference: index_select the S states into an owned copy, advance it, and
@@ -58,6 +60,15 @@ def short_conv_paged(qkv: torch.Tensor, batch: ForwardBatch, pool: KDAPool, weig
     new_tail_at = (batch.query_start[1:] + history * (seq_ids + 1) - history)[:, None] + steps
     new_tails = rearrange(rows[new_tail_at], "s j c -> s c j")
     pool.conv.index_copy_(0, batch.state_slot, new_tails.detach().to(pool.conv.dtype))
+    verifying = batch.verify_indices()
+    if verifying:  # the tail after EACH token of a verify step, into its spec slot (column 0 rewrites the above)
+        spec = batch.spec_slots[verifying]  # [V, W], -1 past each row's tokens
+        owner_row = torch.tensor(verifying, device=device)[:, None].expand_as(spec)
+        token = batch.query_start[verifying][:, None] + torch.arange(spec.shape[1], device=device)
+        written = spec >= 0
+        row_of = token[written] + history * (owner_row[written] + 1)  # buffer row of each verify token
+        tails_after = rearrange(rows[(row_of - history + 1)[:, None] + steps], "n j c -> n c j")
+        pool.conv.index_copy_(0, spec[written], tails_after.detach().to(pool.conv.dtype))
     return out.to(qkv.dtype)[None]
 
 
@@ -86,7 +97,8 @@ def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tens
             state[decodes] = rows
     # With gradients the op may save its initial state for backward; `state[i] = ...` below writes that memory.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in heads)
-    for i in batch.chunk_indices():
+    verifying = batch.verify_indices()
+    for i in _prompt_chunks(batch, verifying):
         span = slice(starts[i], starts[i + 1])
         initial = state[i:i + 1].clone() if needs_grad else state[i:i + 1]
         o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=initial, output_final_state=True,
@@ -94,6 +106,8 @@ def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tens
         out[:, span] = o
         state[i] = final[0]
     pool.state.index_copy_(0, batch.state_slot, state.detach())
+    if verifying:  # after the scatter above, which wrote their untouched initial states back
+        advance_verify(pool, batch, heads, decode_step, out, state[verifying].detach())
     return out
 
 
@@ -115,13 +129,44 @@ def advance_in_pool(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tenso
         tokens = batch.query_start[members]
         rows = state[first_slot:first_slot + len(members)]
         out[0, tokens] = kda_decode_step_(rows, *(t[0, tokens] for t in heads))
-    for i in batch.chunk_indices():
+    verifying = batch.verify_indices()
+    if verifying:
+        advance_verify(pool, batch, heads, kda_decode_step_, out, state.index_select(0, batch.state_slot[verifying]))
+    for i in _prompt_chunks(batch, verifying):
         span, row = slice(starts[i], starts[i + 1]), state[slots[i]:slots[i] + 1]
         o, final = kda_chunked(*(t[:, span] for t in heads), initial_state=row, output_final_state=True,
                                chunk_size=chunk_size)
         out[:, span] = o
         row.copy_(final)
     return out
+
+
+def advance_verify(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tensor, ...], decode_step: DecodeStep,
+                   out: torch.Tensor, state: torch.Tensor) -> None:
+    """Verify steps (batch.spec_slots): the V speculating sequences advance one token at a time, together,
+    and the state after their token t goes to spec_slots[i, t]: the engine keeps the slot of the last
+    accepted token, so a rejection costs no copy and the accepted states are those of plain decodes.
+
+    state [V, H, d_k, d_v] fp32: their initial states, an owned copy (advanced in place); heads as in
+    advance_gathered; out [1, total, H, d_v] gets their outputs.
+    """
+    verifying = batch.verify_indices()
+    spec = batch.spec_slots[verifying]  # [V, W]
+    lengths = batch.query_len[verifying].tolist()
+    starts = batch.query_start[verifying]
+    for t in range(max(lengths)):
+        active = [r for r, n in enumerate(lengths) if n > t]  # rows still holding a token t (ragged drafts)
+        rows = state if len(active) == len(lengths) else state[active]
+        tokens = starts[active] + t
+        out[0, tokens] = decode_step(rows, *(h[0, tokens] for h in heads))
+        if rows is not state:
+            state[active] = rows
+        pool.state.index_copy_(0, spec[active, t], rows)
+
+
+def _prompt_chunks(batch: ForwardBatch, verifying: list[int]) -> list[int]:
+    """The sequences KDA runs through the chunked form: DSA's chunks less the verify steps."""
+    return [i for i in batch.chunk_indices() if i not in verifying]
 
 
 def slot_runs(slots: list[int], members: list[int]) -> list[tuple[int, list[int]]]:

@@ -45,7 +45,7 @@ from latentmoe_lab.serving.inputs import prompt_inputs
 from latentmoe_lab.serving.invariance import batch_invariant_grid
 from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
 from latentmoe_lab.serving.logprobs import TokenLogprob, token_logprobs
-from latentmoe_lab.serving.model_runner import ModelRunner, record_prompt_logprobs
+from latentmoe_lab.serving.model_runner import ModelRunner, record_prompt_logprobs, verify_logit_rows
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
 from latentmoe_lab.serving.pipeline_stage import plan_stages
 from latentmoe_lab.serving.planner import allocate_pools, plan_cache, with_cache_budget
@@ -53,6 +53,7 @@ from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
 from latentmoe_lab.serving.spec.setup import check_engine_start
+from latentmoe_lab.serving.spec.speculator import Speculator, spec_stats
 
 MAX_WORKER_RESTARTS_IN_A_ROW = 3  # a parallel step that loses its workers again and again raises
 
@@ -92,7 +93,8 @@ class Engine:
         expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype)
         if expected is not None and weights != expected:
             raise ValueError(f"model.dtype: the config says {cfg.model.dtype} but the model's weights are {weights}")
-        check_engine_start(cfg.speculative, model)  # before anything is allocated
+        drafter = check_engine_start(cfg.speculative, model, layout)  # before anything is allocated
+        self.speculator = None if drafter is None else Speculator(drafter, cfg.speculative)  # spec/speculator.py
         # a worker rank's pools hold its pipeline stage's layers with its local KDA heads: plan each stage's
         # share (one block count for all); self.plan is stage 0's
         self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
@@ -113,13 +115,16 @@ class Engine:
         self.balancer = None if not (cfg.eplb.enabled and moe) else OnlineBalancer(
             len(moe), moe[0].num_experts, layout.ep, cfg.eplb.num_redundant_experts, moe[0].n_group,
             cfg.eplb.rebalance_interval_steps, cfg.eplb.layers_per_step)
-        self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device, cfg.scheduler.batch_invariant)
+        self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device, cfg.scheduler.batch_invariant,
+                                   return_hidden=self.speculator is not None and self.speculator.needs_hidden)
                        if layout is None
                        else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout),
                                            self.balancer, self.expert_load))
         copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
-                                   cfg.scheduler.chunked_prefill, copy_slot, grid)
+                                   cfg.scheduler.chunked_prefill, copy_slot, grid,
+                                   spec_tokens=0 if self.speculator is None else self.speculator.k,
+                                   forget=None if self.speculator is None else self.speculator.forget)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
@@ -191,7 +196,8 @@ class Engine:
         for seq, _ in batch.entries:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
-        sampled: dict[int, int] = {}
+        sampled: dict[int, list[int]] = {}
+        output = None
         if batch.entries:
             try:
                 output = self.runner.run(batch)
@@ -213,12 +219,16 @@ class Engine:
         prefill = batch.num_tokens - batch.num_decode_tokens
         self._tokens["prefill"] += prefill
         self._tokens["decode"] += batch.num_decode_tokens
+        # a verify step's real tokens: its last token and the accepted drafts (one per emitted token)
+        committed = [len(sampled.get(seq.request_id, ())) if seq.verify_slots else n for seq, n in batch.entries]
         self.scheduler.finish_step(batch, sampled)
+        if self.speculator is not None:
+            self.speculator.after_step(batch.entries, committed, getattr(output, "hidden", None))
         now = time.monotonic()
         for seq, _ in batch.entries:
             if seq.request_id in sampled:
-                seq.token_times.append(now)
-                new = [seq.token_ids[-1]]
+                new = sampled[seq.request_id]
+                seq.token_times += [now] * len(new)
             elif seq.max_tokens == 0 and seq.status is Status.FINISHED and seq.finish_reason == "length":
                 new = []  # a prompt-only request, done
             else:
@@ -237,31 +247,37 @@ class Engine:
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens))
         return outputs
 
-    def _sample(self, batch, output, outputs: list[RequestOutput]) -> dict[int, int]:
-        """request id -> its next token, for the entries that emit; a non-finite row fails its request alone."""
+    def _sample(self, batch, output, outputs: list[RequestOutput]) -> dict[int, list[int]]:
+        """request id -> its new tokens (one; after a verify step the accepted drafts and one more), for the
+        entries that emit; a non-finite row fails its request alone."""
         sampled, new_logprobs = {}, []
-        logits = output.logits.float()[:len(batch.entries)]  # then the prompt positions (model_runner.py)
+        logits = output.logits.float()  # S sampling rows, then prompt and verify positions (model_runner.py)
+        rows_of = verify_logit_rows(batch)
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         record_prompt_logprobs(batch, output.logits[len(batch.entries):])
         # a failure part way must not leave some generators advanced: the recompute samples again
         states = [(seq.generator, seq.generator.get_state()) for (seq, _), emits in zip(batch.entries, batch.emits())
                   if emits]
         try:
-            for (seq, _), emits, row, ok in zip(batch.entries, batch.emits(), logits, finite):
-                if not ok:
+            for index, ((seq, _), emits) in enumerate(zip(batch.entries, batch.emits())):
+                rows = rows_of.get(index, [index])
+                if not all(finite[r] for r in rows):
                     where = first_non_finite(getattr(output, "finite", None), self.model_config.layer_types)
                     outputs.append(self._fail(seq, f"logits: non-finite for this request (first non-finite at "
                                                    f"{where}); the other requests go on"))
                 elif emits and seq.max_tokens > 0:
-                    token = sampled[seq.request_id] = sample_token(row, seq.params, seq.generator, seq.generated_ids)
+                    tokens = sampled[seq.request_id] = (
+                        [sample_token(logits[index], seq.params, seq.generator, seq.generated_ids)]
+                        if self.speculator is None else self.speculator.sample(seq, logits[rows]))
                     if seq.params.logprobs is not None:
-                        new_logprobs += [(seq, *token_logprobs(row[None], [token], seq.params.logprobs))]
+                        new_logprobs.append((seq, token_logprobs(logits[rows[:len(tokens)]], tokens,
+                                                                 seq.params.logprobs)))
         except Exception:
             for generator, state in states:
                 generator.set_state(state)
             raise
-        for seq, logprob in new_logprobs:  # only once every row sampled: a retried step appends nothing twice
-            seq.logprobs.append(logprob)
+        for seq, logprobs in new_logprobs:  # only once every row sampled: a retried step appends nothing twice
+            seq.logprobs += logprobs
         return sampled
 
     def _step_failed(self, batch, error: Exception, outputs: list[RequestOutput]) -> StepError:
@@ -400,6 +416,7 @@ class Engine:
                 "rank_forward_seconds": list(getattr(self.runner, "rank_forward_seconds", [])),
                 "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", [])),
                 "rank_resident_bytes": list(getattr(self.runner, "rank_resident_bytes", [])),
+                **spec_stats(self.speculator),  # speculative decoding: drafts verified, accepted, per position
                 **self._expert_stats()}
 
     def _expert_stats(self) -> dict:

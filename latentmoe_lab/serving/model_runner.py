@@ -14,10 +14,15 @@ For S scheduled sequences with n_i new tokens each, the new tokens go back to ba
                                   prefix hit, runs as a one-token chunk instead)
     image_features [P, hidden]    rows of each sequence's (once-computed) vision features for the image
                                   placeholders inside its chunk, in token order; image_mask [total] marks them
-    logits_index   [S + P] | None each sequence's last new token, then the P prompt positions whose logits
-                                  requests with prompt_logprobs still need (prompt_logit_positions); None if P = 0
+    logits_index   [S + P + D] | None each sequence's last new token, then the P prompt positions whose
+                                  logits requests with prompt_logprobs still need (prompt_logit_positions),
+                                  then the other positions of verify steps (verify_logit_rows); None if P + D = 0
+    spec_slots     [S, K + 1] | None  speculating sequences: seq.verify_slots, the slot receiving the KDA state
+                                  after each of its tokens; -1 rows for the others (None: nobody verifies)
+    hidden_index   [total] | None with return_hidden (the MTP drafter): every new token's hidden state
 
-The model returns logits [S + P, vocab]: row i at sequence i's last new token, then the prompt positions.
+The model returns logits [S + P + D, vocab]: row i at sequence i's last new token, then the prompt
+positions, then the verify positions.
 """
 from __future__ import annotations
 
@@ -36,8 +41,9 @@ from latentmoe_lab.serving.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model, pools, block_size: int, device: torch.device | str = "cpu",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, return_hidden: bool = False):
         self.model = model
+        self.return_hidden = return_hidden  # every new token's last hidden state on the output (MTP drafts)
         self.batch_invariant = batch_invariant  # forward inside batch_invariant_mode (serving/invariance.py)
         self.pools = pools
         self.block_size = block_size
@@ -61,7 +67,7 @@ class ModelRunner:
         for seq, n in batch.entries:
             start = seq.num_computed
             span = range(start, start + n)
-            tokens += seq.token_ids[start:start + n]
+            tokens += seq.scheduled_ids[start:start + n]
             positions += span
             slot_mapping += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                              for p in span]
@@ -86,7 +92,17 @@ class ModelRunner:
         extra = [starts[index] + position - seq.num_computed
                  for index, seq, first, count in prompt_logit_positions(batch)
                  for position in range(first, first + count)]
+        verifying = [(index, seq) for index, (seq, _) in enumerate(batch.entries) if seq.verify_slots]
+        extra += [starts[index] + t for index, seq in verifying for t in range(len(seq.verify_slots) - 1)]
+        spec_slots = None
+        if verifying:
+            width = max(len(seq.verify_slots) for _, seq in verifying)
+            spec_slots = torch.full((len(batch.entries), width), -1, dtype=torch.int64)
+            for index, seq in verifying:
+                spec_slots[index, :len(seq.verify_slots)] = torch.tensor(seq.verify_slots, dtype=torch.int64)
+            spec_slots = spec_slots.to(self.device)
         return ForwardBatch(
+            spec_slots=spec_slots, hidden_index=ids(list(range(starts[-1]))) if self.return_hidden else None,
             logits_index=ids([s - 1 for s in starts[1:]] + extra) if extra else None,
             input_ids=ids(tokens)[None], positions=ids(positions), query_start=ids(starts),
             context_len=ids(contexts), state_slot=ids(slots), block_table=block_table.to(self.device),
@@ -125,6 +141,19 @@ def prompt_logit_positions(batch: ScheduledBatch) -> list[tuple[int, Sequence, i
             if end > first:
                 out.append((index, seq, first, end - first))
     return out
+
+
+def verify_logit_rows(batch: ScheduledBatch) -> dict[int, list[int]]:
+    """entry index -> the logits rows of its verify step, in token order (its K + 1 positions: the extra rows
+    after the S sampling rows and the prompt rows, then its own sampling row last)."""
+    row = len(batch.entries) + sum(count for *_, count in prompt_logit_positions(batch))
+    rows = {}
+    for index, (seq, _) in enumerate(batch.entries):
+        if seq.verify_slots:
+            drafts = len(seq.verify_slots) - 1
+            rows[index] = list(range(row, row + drafts)) + [index]
+            row += drafts
+    return rows
 
 
 def record_prompt_logprobs(batch: ScheduledBatch, prompt_rows: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
     per block (block_size tokens, every DSA layer)   MLA latent + rope key, indexer key (+ its scale in fp8)
     per slot  (every KDA layer)                      fp32 state [H, d_k, d_v] + conv tail [channels, kernel - 1]
-    slots = memory.max_num_seqs running + memory.prefix_snapshot_slots snapshots (prefix caching)
+    slots = memory.max_num_seqs running (times K + 1 with speculative decoding: a state slot per verified
+            token, docs/design.md §12) + memory.prefix_snapshot_slots snapshots (prefix caching)
     blocks = (budget - slots * per_slot) // per_block
 
 The bytes come from paged_pool_bytes, the function PagedPools' allocation is checked against, so the plan
@@ -33,7 +34,7 @@ class CachePlan:
     config: ModelConfig  # the layers the pools are shaped for (one device's share in plan_service)
     num_blocks: int
     block_size: int
-    num_slots: int  # running slots (max_num_seqs)
+    num_slots: int  # running slots (max_num_seqs, times K + 1 with speculative decoding)
     num_snapshots: int  # prefix-cache snapshot rows, after the running slots
     dtype: torch.dtype  # conv tails (and plain token storage)
     latent_format: object
@@ -89,10 +90,10 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
                          "(only an Engine on a CPU takes a default share of the host's memory)")
     dtype, latent_format, index_format = cache_formats(config, service)
     block_bytes, slot_bytes = pools_bytes(config, service, 1, 0), pools_bytes(config, service, 0, 1)
-    rows = mem.max_num_seqs + mem.snapshot_slots
+    rows = running_slots(service) + mem.snapshot_slots
     if rows * slot_bytes > budget:
         raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots "
-                         f"(max_num_seqs + prefix_snapshot_slots) of {slot_bytes} bytes each")
+                         f"(max_num_seqs (x K + 1 speculating) + prefix_snapshot_slots) of {slot_bytes} bytes each")
     per_sequence = -(-service.model.max_model_len // mem.block_size)
     if block_bytes == 0:  # a model without DSA layers: blocks cost nothing, give every slot a full sequence
         num_blocks = per_sequence * mem.max_num_seqs
@@ -102,8 +103,15 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
         raise ValueError(f"memory.cache_bytes: {budget} bytes leave {num_blocks} blocks of {mem.block_size} tokens "
                          f"after the KDA slots, fewer than one model.max_model_len sequence needs "
                          f"({per_sequence} blocks for {service.model.max_model_len} tokens)")
-    return CachePlan(config, num_blocks, mem.block_size, mem.max_num_seqs, mem.snapshot_slots, dtype,
+    return CachePlan(config, num_blocks, mem.block_size, running_slots(service), mem.snapshot_slots, dtype,
                      latent_format, index_format, budget, block_bytes, slot_bytes)
+
+
+def running_slots(service: ServiceConfig) -> int:
+    """KDA slots of the running sequences: one each, K + 1 each with speculative decoding (the state after
+    each token of a verify step has its own slot, docs/design.md §12)."""
+    spec = service.speculative
+    return service.memory.max_num_seqs * (1 + (spec.num_speculative_tokens if spec.enabled else 0))
 
 
 def pools_bytes(config: ModelConfig, service: ServiceConfig, num_blocks: int, num_slots: int) -> int:
@@ -123,7 +131,7 @@ def default_cache_budget(config: ModelConfig, service: ServiceConfig) -> tuple[i
     if not service.memory.enable_prefix_caching:
         mem = service.memory
         blocks = mem.max_num_seqs * -(-service.model.max_model_len // mem.block_size)
-        full = pools_bytes(config, service, blocks, mem.max_num_seqs + mem.snapshot_slots)
+        full = pools_bytes(config, service, blocks, running_slots(service) + mem.snapshot_slots)
         if full < budget:
             budget, how = full, (f"{how}; without prefix caching capped at what {mem.max_num_seqs} sequences of "
                                  f"model.max_model_len fill")

@@ -104,10 +104,23 @@ def adjusted_logits(logits: torch.Tensor, params: SamplingParams, generated: lis
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                  generated: list[int] = ()) -> int:
     """logits: [vocab] fp32 of one sequence; generated: its tokens so far (for the penalties) -> the next id."""
+    if params.greedy:
+        return greedy_token(logits, params, generated)
+    return int(torch.multinomial(target_probs(logits, params, generated), 1, generator=generator))
+
+
+def greedy_token(logits: torch.Tensor, params: SamplingParams, generated: list[int] = ()) -> int:
+    """The argmax of the adjusted logits [vocab] (what a greedy request emits)."""
     if params.adjusts_logits:
         logits = adjusted_logits(logits, params, list(generated))
-    if params.greedy:
-        return int(logits.argmax())
+    return int(logits.argmax())
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams, generated: list[int] = ()) -> torch.Tensor:
+    """The distribution [vocab] fp32 a sampling (non-greedy) request draws its next token from: adjusted
+    logits, temperature, top-k, top-p, softmax. Speculative verification accepts drafts against it."""
+    if params.adjusts_logits:
+        logits = adjusted_logits(logits, params, list(generated))
     logits = logits.float() / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -117,8 +130,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         probs = sorted_logits.softmax(dim=-1)
         drop = probs.cumsum(dim=-1) - probs >= params.top_p  # mass before the token already reaches top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return logits.softmax(dim=-1)
 
 
 def _is_int(value, minimum: int) -> bool:

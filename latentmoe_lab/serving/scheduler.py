@@ -36,6 +36,14 @@ the ordinary sequences once it has generated the token the failed step was compu
 Image-aware chunking, policy "features once": a request's vision features are computed at its first
 chunk and kept until it ends (preemption included), so chunks may cut image spans anywhere; each chunk
 takes the rows of the features for its own placeholders (Sequence.placeholders_before).
+
+Speculative decoding (spec_tokens = K > 0; docs/design.md §12, serving/spec/slots.py): a sequence takes
+K + 1 KDA slots when admitted, and a decode with d drafts charges 1 + d tokens of the budget (drafts are
+cut to what the budget leaves). After the step the slot of the last accepted token becomes its slot,
+blocks only rejected drafts reached are freed, and the prefix cache sees only accepted tokens: a block is
+offered once num_computed (accepted tokens only) covers it, with the KDA snapshot taken from the spec slot
+of the token exactly at its boundary. `forget(seq)` runs when a sequence is preempted or finished (the
+engine lets its drafter forget the request).
 """
 from __future__ import annotations
 
@@ -45,6 +53,8 @@ from dataclasses import dataclass, field
 
 from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.sequence import Sequence, Status
+from latentmoe_lab.serving.spec.slots import (acquire_slots, drop_rejected_blocks, keep_slot_of, release_slots,
+                                              start_verify, state_slot_after)
 
 
 @dataclass
@@ -63,15 +73,17 @@ class ScheduledBatch:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for seq, n in self.entries if n == 1 and seq.num_remaining == 1 and seq.generated_ids)
+        """Tokens of decodes (the last sampled token and its drafts)."""
+        return sum(n for seq, n in self.entries if seq.num_remaining == 1 and seq.generated_ids)
 
     def emits(self) -> list[bool]:
-        return [seq.num_computed + n == seq.num_tokens for seq, n in self.entries]
+        return [seq.num_computed + n == seq.num_tokens + len(seq.draft_ids) for seq, n in self.entries]
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int,
-                 chunked_prefill: bool, copy_slot: Callable[[int, int], None], chunk_grid: int = 1):
+                 chunked_prefill: bool, copy_slot: Callable[[int, int], None], chunk_grid: int = 1,
+                 spec_tokens: int = 0, forget: Callable[[Sequence], None] | None = None):
         self.blocks = block_manager
         self.chunk_grid = chunk_grid
         self.block_size = block_manager.block_size
@@ -79,6 +91,8 @@ class Scheduler:
         self.budget = prefill_chunk_size
         self.chunked_prefill = chunked_prefill
         self.copy_slot = copy_slot  # copy_slot(src_row, dst_row): KDA state + conv tail, every KDA layer
+        self.spec_tokens = spec_tokens  # K: spare KDA slots per sequence (0: no speculative decoding)
+        self.forget = forget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first, so the newest is preempted
         self.num_preemptions = 0
@@ -111,10 +125,13 @@ class Scheduler:
         members = [seq for seq in self.running if seq.isolation_group == cohort]
         for seq in members:  # 1. decodes
             if seq.status is Status.RUNNING and not seq.in_prefill and budget > 0:
-                if self._make_room(seq, 1, scheduled, batch):
-                    batch.entries.append((seq, 1))
+                del seq.draft_ids[budget - 1:]  # the drafts the budget leaves room for
+                if self._make_room(seq, 1 + len(seq.draft_ids), scheduled, batch):
+                    batch.entries.append((seq, 1 + len(seq.draft_ids)))
                     scheduled.add(seq.request_id)
-                    budget -= 1
+                    budget -= 1 + len(seq.draft_ids)
+                    if seq.draft_ids:
+                        start_verify(seq)
         first_prefill = True
         # a long prompt may not take a whole step's budget while a newcomer could be admitted: half stays free
         admitting = self._admits_next(cohort) and len(self.running) < self.max_num_seqs
@@ -202,10 +219,11 @@ class Scheduler:
         """Slot, prefix hit and blocks for a waiting sequence's first chunk; its length, or 0 (left waiting)."""
         if budget <= 0 and (self.chunked_prefill or not first_prefill):
             return 0
-        slot = self.blocks.acquire_slot()
-        if slot is None:
+        slots = acquire_slots(self.blocks, 1 + self.spec_tokens)
+        if slots is None:
             return 0
-        seq.slot = slot
+        seq.slot, seq.spare_slots = slots[0], slots[1:]
+        slot = seq.slot
         # at least one token must run to produce logits, so the last token never comes from the cache
         hit_blocks, snapshot_row = [], None
         if self.blocks.enable_prefix_caching and not seq.needs_prompt_logits:  # those positions must run
@@ -234,20 +252,30 @@ class Scheduler:
         return n
 
     # ------------------------------------------------------------ after a step
-    def finish_step(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
-        """Advance each scheduled sequence; `sampled` maps request id -> token for the sequences that emitted.
+    def finish_step(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> None:
+        """Advance each scheduled sequence; `sampled` maps request id -> its emitted tokens (one, or after a
+        verify step the accepted drafts and one more, already cut at a stop token or max_tokens).
 
-        The caller appends nothing: this records the token, checks the stop rules, offers newly full
+        The caller appends nothing: this records the tokens, checks the stop rules, offers newly full
         blocks to the prefix cache (with a KDA snapshot at the new end when it is block-aligned), and
         frees a finished sequence's blocks and slot.
         """
         for seq, n in batch.entries:
             if seq.status is not Status.RUNNING:
                 continue  # finished with an error during the step
-            seq.num_computed += n
-            self._offer_blocks(seq)
-            if seq.request_id in sampled:
-                seq.token_ids.append(sampled[seq.request_id])
+            old, tokens = seq.num_computed, sampled.get(seq.request_id, [])
+            if seq.verify_slots:  # the last token and the accepted drafts are in; the rest is rejected
+                if not tokens:
+                    raise RuntimeError(f"finish_step: request {seq.request_id} verified drafts but emitted nothing")
+                seq.num_computed += len(tokens)
+                keep_slot_of(seq, len(tokens) - 1)
+                drop_rejected_blocks(self.blocks, seq)
+            else:
+                seq.num_computed += n
+            seq.token_ids += tokens
+            self._offer_blocks(seq, old)
+            seq.draft_ids, seq.verify_slots = [], []
+            if tokens:
                 if seq.isolation_group is not None and len(seq.generated_ids) > seq.isolated_until:
                     seq.isolation_group = None  # it got through the step that failed: back with the others
                 if seq.finish_reason is None:
@@ -257,7 +285,7 @@ class Scheduler:
             elif seq.max_tokens == 0 and seq.num_computed == seq.num_tokens:
                 self.finish(seq, "length")  # a prompt-only request (its prompt logprobs): done once it ran
 
-    def _offer_blocks(self, seq: Sequence) -> None:
+    def _offer_blocks(self, seq: Sequence, old_computed: int) -> None:
         if not self.blocks.enable_prefix_caching:
             return
         full = seq.num_computed // self.block_size
@@ -267,10 +295,11 @@ class Scheduler:
         for index in range(seq.num_registered, full):
             self.blocks.register_block(hashes[index], seq.block_table[index])
         seq.num_registered = full
-        if seq.num_computed % self.block_size == 0:
+        source = state_slot_after(seq, old_computed, full * self.block_size)  # None: no state at that length
+        if source is not None:
             row = self.blocks.snapshot_row_for(hashes[-1])
             if row is not None:
-                self.copy_slot(seq.slot, row)
+                self.copy_slot(source, row)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         if seq.token_ids[-1] in seq.params.stop_token_ids:
@@ -283,6 +312,8 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
+        if self.forget is not None:
+            self.forget(seq)
         seq.num_computed = 0
         seq.num_registered = 0
         seq.num_preemptions += 1
@@ -298,11 +329,11 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        if self.forget is not None:
+            self.forget(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.release_blocks(seq.block_table)
         seq.block_table = []
-        if seq.slot is not None:
-            self.blocks.release_slot(seq.slot)
-            seq.slot = None
+        release_slots(self.blocks, seq)
         seq.status = Status.WAITING

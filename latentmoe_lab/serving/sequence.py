@@ -5,6 +5,10 @@ generated tokens) already sit in the paged pools. Each step feeds token_ids[num_
 A prefill chunk is n > 1; a decode is the case where only the last sampled token is left (n = 1). When a
 step reaches the end of token_ids the sequence samples its next token. A preempted sequence drops its
 cache (num_computed = 0) and later recomputes prompt + generated tokens the same way.
+
+Speculative decoding (docs/design.md §12): a decode may carry drafts, kept in draft_ids outside token_ids;
+the step then feeds the last token and the drafts (scheduled_ids), and afterwards token_ids gains the
+accepted drafts and one more token, num_computed the last token and the accepted drafts.
 """
 from __future__ import annotations
 
@@ -52,6 +56,17 @@ class Sequence:
         self.num_computed = 0
         self.block_table: list[int] = []
         self.slot: int | None = None
+        # speculative decoding (docs/design.md §12): K spare KDA slots held beside `slot`; the drafts to verify
+        # next, kept outside token_ids; in a verify step, the slots receiving the state after each of its
+        # tokens ([slot] + spares); the target's hidden rows not yet handed to the drafter, and how many of
+        # this incarnation's positions have one (a prefix hit skips some: the MTP drafter then cannot run)
+        self.spare_slots: list[int] = []
+        self.draft_ids: list[int] = []
+        self.verify_slots: list[int] = []
+        self.pending_hidden: list[torch.Tensor] = []
+        self.hidden_rows = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         self.num_registered = 0  # leading full blocks already offered to the prefix cache
         self.image_features: torch.Tensor | None = None  # [placeholders, hidden], computed once
         self.generator = torch.Generator()
@@ -82,6 +97,11 @@ class Sequence:
     def num_remaining(self) -> int:
         """Tokens not yet in the cache: the rest of the prompt, or the one last sampled token."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def scheduled_ids(self) -> list[int]:
+        """token_ids and then the drafts: what a step feeds from position num_computed on."""
+        return self.token_ids + self.draft_ids if self.draft_ids else self.token_ids
 
     @property
     def generated_ids(self) -> list[int]:

@@ -16,9 +16,15 @@ def make_drafter(spec: SpeculativeSection, model) -> Drafter | None:
     return MTPDrafter(model)
 
 
-def check_engine_start(spec: SpeculativeSection, model) -> None:
-    """Engine start, before any pool is allocated: the section must name a drafter this model can run, and
-    the engine does not verify drafts yet, so an enabled section is refused rather than silently ignored."""
-    if make_drafter(spec, model) is not None:
-        raise ValueError(f"speculative: method {spec.method!r} is not implemented yet in the engine (drafters "
-                         "exist, the verify step does not); leave the speculative section out")
+def check_engine_start(spec: SpeculativeSection, model, layout=None) -> Drafter | None:
+    """Engine start, before any pool is allocated: the section's drafter (None when off), after checking that
+    this model and layout can run it. The MTP drafter reads the target's hidden states, which only the
+    in-process forward returns: with worker processes (layout not None) it is refused, naming the layout;
+    the n-gram drafter needs only tokens and runs with every layout (ForwardBatch.spec_slots travels to
+    the workers with the step)."""
+    drafter = make_drafter(spec, model)
+    if drafter is not None and drafter.name == "mtp" and layout is not None:
+        raise ValueError(f"speculative.method: 'mtp' needs the target's hidden states in the engine's process, "
+                         f"which the worker layout (tp={layout.tp}, ep={layout.ep}, pp={layout.pp}, "
+                         "forward process or worker ranks) does not return; use method ngram there")
+    return drafter
