@@ -49,7 +49,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = _api_key(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
-    worker = EngineWorker(config, settings, lambda: load_model(config))
+    if config.disaggregation.enabled:  # instance processes with roles, one endpoint (docs/design.md §13.2)
+        from latentmoe_lab.server.disagg_worker import DisaggWorker
+
+        d = config.disaggregation
+        worker = DisaggWorker(config, settings, load_model)
+        print(f"disaggregated: {d.prefill_instances} prefill + {d.decode_instances} decode instance processes, "
+              f"transport {d.transport}", file=sys.stderr)
+    else:
+        worker = EngineWorker(config, settings, lambda: load_model(config))
     print(f"{source_line(config)}; loading ...", file=sys.stderr, flush=True)
     worker.start()
     try:

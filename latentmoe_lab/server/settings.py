@@ -99,4 +99,8 @@ def load_service_file(path: str | Path) -> tuple[ServiceConfig, ServerSettings]:
         config, settings = split_service_dict(data)
         check_engine_plan(config)
         check_fits_host(config)
+        if config.disaggregation.enabled:  # each role's plan: a decode cache that holds one request
+            from latentmoe_lab.serving.disagg.service_config import check_role_plans
+
+            check_role_plans(config)
     return config, settings

@@ -47,15 +47,21 @@ class ServedApp:
 
 
 @contextmanager
-def start_service(service: dict, api_key: str | None = None, host: str = "127.0.0.1"):
-    """A whole service from a service-file dict: worker thread + app + uvicorn thread; yields (served, worker)."""
+def start_service(service: dict, api_key: str | None = None, host: str = "127.0.0.1", faults: dict | None = None):
+    """A whole service from a service-file dict: worker thread + app + uvicorn thread; yields (served, worker).
+    With a disaggregation: section the worker is a DisaggWorker (instance processes; `faults` by instance name,
+    tests only)."""
     from latentmoe_lab.server.app import build_app
+    from latentmoe_lab.server.disagg_worker import DisaggWorker
     from latentmoe_lab.server.loading import load_model
     from latentmoe_lab.server.settings import split_service_dict
     from latentmoe_lab.server.worker import EngineWorker
 
     config, settings = split_service_dict(service)
-    worker = EngineWorker(config, settings, lambda: load_model(config))
+    if config.disaggregation.enabled:
+        worker = DisaggWorker(config, settings, load_model, faults=faults)
+    else:
+        worker = EngineWorker(config, settings, lambda: load_model(config))
     worker.start()
     try:
         with ServedApp(build_app(worker, api_key), host) as served:

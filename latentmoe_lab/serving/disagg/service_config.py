@@ -1,0 +1,104 @@
+"""The instances' configs of a disaggregated service (docs/design.md §13.2).
+
+A service file with a `disaggregation:` section describes the whole service; each instance runs the file's
+config with `parallel.role` set to its role and that role's overrides applied:
+
+    disaggregation:
+      prefill_instances: 1
+      decode_instances: 1
+      transport: pipe
+      decode: {memory: {cache_bytes: 67108864}}    # {section: {key: value}}, sections below only
+
+What the two roles must share, because the decode side continues the cache the prefill side wrote, is
+checked here and refused naming the key the override changed: the weights (model.preset, checkpoint, seed,
+dtype), the cache's storage format (the resolved memory.kv_cache_dtype) and model.max_model_len. Each role's
+own plan (a decode cache that cannot hold one max_model_len request) is checked by check_role_plans, when the
+file is loaded as `serve` loads it. Instances compare their loaded weights' fingerprints at start-up too
+(router.py): a checkpoint directory may hold other weights than its name says.
+"""
+from __future__ import annotations
+
+import copy
+
+from latentmoe_lab.config_fields import describe, key_name
+from latentmoe_lab.serving.config import ServiceConfig
+
+INSTANCE_ROLES = ("prefill", "decode")
+ROLE_SECTIONS = ("model", "parallel", "memory", "scheduler")
+SHARED_KEYS = (("model", "preset"), ("model", "checkpoint"), ("model", "checkpoint_if_present"), ("model", "seed"),
+               ("model", "dtype"), ("model", "max_model_len"), ("memory", "kv_cache_dtype"))
+
+
+def role_config(config: ServiceConfig, role: str) -> ServiceConfig:
+    """The config of an instance of `role`: the file's, its role's overrides applied, parallel.role set and no
+    overrides left. ValueError naming `disaggregation.<role>.<section>.<key>` for a bad override."""
+    if role not in INSTANCE_ROLES:
+        raise ValueError(f"role: must be one of {list(INSTANCE_ROLES)}, got {describe(role)}")
+    data = copy.deepcopy(config.to_dict())
+    overrides = _overrides(config, role)
+    for section, values in overrides.items():
+        data[section].update(values)
+    data["parallel"]["role"] = role
+    data["disaggregation"].update(prefill=None, decode=None)
+    try:
+        return ServiceConfig.from_dict(data)
+    except ValueError as error:
+        raise _in_role(error, role, overrides) from None
+
+
+def check_role_configs(config: ServiceConfig) -> None:
+    """Every role's config builds, and the two agree on what a transfer needs (SHARED_KEYS)."""
+    configs = {role: role_config(config, role) for role in INSTANCE_ROLES}
+    prefill, decode = configs["prefill"], configs["decode"]
+    for section, key in SHARED_KEYS:
+        theirs, ours = getattr(getattr(prefill, section), key), getattr(getattr(decode, section), key)
+        if theirs != ours:
+            blamed = "decode" if key in (_overrides(config, "decode").get(section) or {}) else "prefill"
+            other = "prefill" if blamed == "decode" else "decode"
+            raise ValueError(f"disaggregation.{blamed}.{section}.{key}: {describe(configs[blamed].to_dict()[section][key])}"
+                             f" differs from the {other} instances' {describe(configs[other].to_dict()[section][key])}"
+                             f": the decode side continues the prefill side's cache, which needs the same weights, "
+                             f"cache format and model.max_model_len on both")
+    if prefill.cache_dtype != decode.cache_dtype:  # 'auto' resolved against model.dtype
+        raise ValueError(f"disaggregation.decode.memory.kv_cache_dtype: the decode instances store "
+                         f"{decode.cache_dtype!r}, the prefill instances {prefill.cache_dtype!r}: a transfer moves "
+                         f"rows in their storage format, so both must use one")
+
+
+def check_role_plans(config: ServiceConfig) -> None:
+    """Each role's cache plan (planner.check_engine_plan): a decode instance whose cache cannot hold one
+    model.max_model_len request is refused before anything starts."""
+    from latentmoe_lab.serving.planner import check_engine_plan
+
+    for role in INSTANCE_ROLES:
+        instance = role_config(config, role)
+        try:
+            check_engine_plan(instance)
+        except ValueError as error:
+            raise _in_role(error, role, _overrides(config, role)) from None
+
+
+def _overrides(config: ServiceConfig, role: str) -> dict:
+    values = getattr(config.disaggregation, role)
+    if values is None:
+        return {}
+    for section, keys in values.items():
+        if section not in ROLE_SECTIONS:
+            raise ValueError(f"disaggregation.{role}.{key_name(section)}: not a section an instance may override; "
+                             f"expected some of {list(ROLE_SECTIONS)}")
+        if not isinstance(keys, dict):
+            raise ValueError(f"disaggregation.{role}.{section}: expected a mapping of keys, got {describe(keys)}")
+        if section == "parallel" and "role" in keys:
+            raise ValueError(f"disaggregation.{role}.parallel.role: set by the service (each instance gets its own)")
+    return values
+
+
+def _in_role(error: ValueError, role: str, overrides: dict) -> ValueError:
+    """An instance config's error with the role's key path: `disaggregation.decode.memory.cache_bytes: ...` when
+    the override set that key, else `disaggregation.decode (the decode instances' config): memory....`."""
+    message = str(error)
+    path = message.split(":", 1)[0]
+    section, _, key = path.partition(".")
+    if key.split(".")[0] in (overrides.get(section) or {}):
+        return ValueError(f"disaggregation.{role}.{message}")
+    return ValueError(f"disaggregation.{role} (the {role} instances' config): {message}")
