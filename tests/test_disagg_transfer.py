@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
+from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.paged_pools import DSAPool, KDAPool
 from latentmoe_lab.quant.kv_cache import quantized_kv_cache
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
@@ -13,6 +14,7 @@ from latentmoe_lab.serving.disagg import (NoRoomError, TransferError, bytes_per_
                                           release_exported, transfer_bytes_by_kind)
 from latentmoe_lab.serving.disagg.pool_rows import flat_positions
 from latentmoe_lab.serving.disagg.wire import payload_tensor_bytes
+from latentmoe_lab.serving.service_plan import service_plan_text
 
 NEW_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS)
@@ -150,6 +152,9 @@ def test_planned_bytes_full_scale():
     assert kinds["kda_state"] == 69 * 96 * 128 * 128 * 4
     assert kinds["kda_conv"] == 69 * 96 * (3 * 128) * (config.kda.conv_kernel - 1) * 2
     assert bytes_per_request(config, n, "fp8", "bf16") == sum(kinds.values())
+    text = service_plan_text(ServiceConfig.from_yaml("configs/service-example.yaml"), config)  # plan-service
+    assert "prefill -> decode transfer of one 1,000,000-token request (fp8 cache)" in text
+    assert f"{'total':<18}{format_bytes(sum(kinds.values())):>14}" in text.split("prefill -> decode")[1]
 
 
 def _one_cache(model, kv_cache_dtype="fp8", prompt=(5, 9, 13, 200, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)):

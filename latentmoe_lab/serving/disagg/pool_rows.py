@@ -29,21 +29,21 @@ from latentmoe_lab.quant.kv_mla import QuantizedLatentFormat
 
 def token_byte_offsets(fmt, storage: torch.Tensor, dim: int, positions: torch.Tensor) -> torch.Tensor:
     """Offsets [N, bytes/token] int64 into storage's flattened byte view of each flat position's bytes."""
+    if not isinstance(fmt, (PlainFormat, QuantizedLatentFormat, QuantizedIndexFormat)):
+        raise TypeError(f"format: a transfer knows the byte layouts of PlainFormat, QuantizedLatentFormat and "
+                        f"QuantizedIndexFormat, got {type(fmt).__name__}")
     per_token = fmt.bytes_per_token(dim)
     positions = positions.long()
-    if isinstance(fmt, (PlainFormat, QuantizedLatentFormat)):
+    if not isinstance(fmt, QuantizedIndexFormat):  # token-interleaved
         return positions[:, None] * per_token + torch.arange(per_token, device=positions.device)
-    if isinstance(fmt, QuantizedIndexFormat):
-        block_size = storage.shape[1] // per_token
-        block, offset = positions.div(block_size, rounding_mode="floor"), positions % block_size
-        base = (block * block_size * per_token)[:, None]
-        scale_bytes = 4 * fmt.groups
-        values = base + offset[:, None] * fmt.dim + torch.arange(fmt.dim, device=positions.device)
-        scales = (base + block_size * fmt.dim + offset[:, None] * scale_bytes
-                  + torch.arange(scale_bytes, device=positions.device))
-        return torch.cat([values, scales], dim=1)
-    raise TypeError(f"format: a transfer knows the byte layouts of PlainFormat, QuantizedLatentFormat and "
-                    f"QuantizedIndexFormat, got {type(fmt).__name__}")
+    block_size = storage.shape[1] // per_token
+    block, offset = positions.div(block_size, rounding_mode="floor"), positions % block_size
+    base = (block * block_size * per_token)[:, None]
+    scale_bytes = 4 * fmt.groups
+    values = base + offset[:, None] * fmt.dim + torch.arange(fmt.dim, device=positions.device)
+    scales = (base + block_size * fmt.dim + offset[:, None] * scale_bytes
+              + torch.arange(scale_bytes, device=positions.device))
+    return torch.cat([values, scales], dim=1)
 
 
 def _flat_bytes(storage: torch.Tensor) -> torch.Tensor:

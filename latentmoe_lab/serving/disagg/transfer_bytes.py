@@ -68,7 +68,7 @@ def transfer_table(model_config: ModelConfig, prompt_len: int, cache_dtype: str,
     from latentmoe_lab.meta import format_bytes
 
     kinds = transfer_bytes_by_kind(model_config, prompt_len, cache_dtype, model_dtype)
-    lines = [f"prefill -> decode transfer of one {prompt_len}-token request ({cache_dtype} cache):"]
+    lines = [f"prefill -> decode transfer of one {prompt_len:,}-token request ({cache_dtype} cache), payload:"]
     lines += [f"  {name:<18}{format_bytes(value):>14}" for name, value in kinds.items()]
     lines.append(f"  {'total':<18}{format_bytes(sum(kinds.values())):>14}")
     return "\n".join(lines)

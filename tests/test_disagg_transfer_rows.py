@@ -1,0 +1,39 @@
+"""A request's pool rows as stored bytes (serving/disagg/pool_rows.py) against the formats' own read path:
+bytes moved between pools of other block sizes and positions read back as the same values, every format."""
+import pytest
+import torch
+
+from latentmoe_lab.paged_pools import PlainFormat
+from latentmoe_lab.quant.kv_index import QuantizedIndexFormat
+from latentmoe_lab.quant.kv_mla import QuantizedLatentFormat
+from latentmoe_lab.serving.disagg.pool_rows import read_token_bytes, token_byte_offsets, write_token_bytes
+
+FORMATS = {"fp32": lambda dim: PlainFormat(torch.float32), "bf16": lambda dim: PlainFormat(torch.bfloat16),
+           "fp8 latent": lambda dim: QuantizedLatentFormat(dim - 8, 8, "fp8"),
+           "int8 latent": lambda dim: QuantizedLatentFormat(dim - 8, 8, "int8"),
+           "fp8 index": lambda dim: QuantizedIndexFormat(dim, "fp8"),
+           "int8 index": lambda dim: QuantizedIndexFormat(dim, "int8")}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dim", [24, 136])  # one scale group, and a second, smaller one (136 = 128 + 8)
+def test_token_bytes_move_between_block_sizes(name, dim):
+    fmt, generator = FORMATS[name](dim), torch.Generator().manual_seed(dim)
+    source, target = fmt.allocate(6, 16, dim), fmt.allocate(13, 8, dim)
+    n = 37  # ragged: not a multiple of either block size
+    src_positions = torch.randperm(6 * 16, generator=generator)[:n]
+    dst_positions = torch.randperm(13 * 8, generator=generator)[:n]
+    fmt.write(source, src_positions, torch.randn(n, dim, generator=generator) * 3)
+    rows = read_token_bytes(fmt, source, dim, src_positions)
+    assert rows.shape == (n, fmt.bytes_per_token(dim)) and rows.dtype == torch.uint8
+    write_token_bytes(fmt, target, dim, dst_positions, rows)
+    assert torch.equal(fmt.read(target, dst_positions), fmt.read(source, src_positions))
+    assert torch.equal(read_token_bytes(fmt, target, dim, dst_positions), rows)
+    # every stored byte of a pool belongs to exactly one token
+    every = token_byte_offsets(fmt, target, dim, torch.arange(13 * 8)).flatten().sort().values
+    assert torch.equal(every, torch.arange(target.numel() * target.element_size()))
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(TypeError, match="format: a transfer knows the byte layouts"):
+        token_byte_offsets(object(), torch.zeros(1, 1, 1), 1, torch.zeros(1, dtype=torch.int64))
