@@ -163,6 +163,18 @@ def test_the_disk_tier_keeps_within_disk_bytes(model, prompts, fresh, tmp_path):
     assert sum(p.stat().st_size for p in engine.block_manager.disk.directory.glob("*.safetensors")) <= 60_000
 
 
+def test_a_failing_disk_drops_entries_not_requests(model, prompts, fresh, tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("latentmoe_lab.serving.prefix_spill_disk.save_file", full_disk)
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}))
+    assert_same(serve(engine, prompts), fresh)
+    stats = engine.stats()
+    assert stats["spill_disk_write_errors"] > 0 and stats["spill_disk_bytes"] == 0 and stats["prefix_hit_tokens"] == 0
+    assert not list(engine.block_manager.disk.directory.glob("*.tmp"))
+
+
 @pytest.mark.parametrize("section, memory, message", [
     ({"host_bytes": -1}, {}, "prefix_cache.host_bytes: must be an integer >= 0"),
     ({"disk_bytes": 10}, {}, "prefix_cache.disk_bytes: needs prefix_cache.disk_dir"),

@@ -239,4 +239,5 @@ def spill_stats(block_manager: BlockManager) -> dict[str, int]:
     disk = block_manager.disk
     return {**block_manager.counts,
             "spill_bytes_host_to_disk": 0 if disk is None else disk.bytes_written,
+            "spill_disk_write_errors": 0 if disk is None else disk.write_errors,
             "spill_host_bytes": block_manager.host.nbytes, "spill_disk_bytes": 0 if disk is None else disk.nbytes}

@@ -12,12 +12,14 @@ dtypes, and anything wrong (missing, truncated, flipped bytes, another key, anot
 SpillRefused: the caller recomputes instead. A refused file is deleted.
 
 Bounded by `max_bytes` (None: unbounded): the least recently used files go first. A restarted engine finds
-the files already there (least recently modified first) and serves hits from them.
+the files already there (least recently modified first) and serves hits from them. A write that fails (a
+full disk) drops that entry with a warning and counts it in write_errors; the request goes on.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -27,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT = "latentmoe-prefix-spill-v1"
+log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 
 
@@ -58,6 +61,8 @@ class DiskTier:
                              f"(key {key[:32]}): {error.strerror or error}") from error
         self._check_manifest(describes)
         self.files: OrderedDict[tuple[bytes, str], int] = OrderedDict()  # least recently used first
+        for leftover in self.directory.glob("*.tmp"):  # a write cut short by a crash
+            leftover.unlink(missing_ok=True)
         found = []
         for path in self.directory.glob(f"*{SUFFIX}"):
             parsed = _parse_name(path.name)
@@ -67,6 +72,7 @@ class DiskTier:
         for _, parsed, size in sorted(found, key=lambda item: item[0]):
             self.files[parsed] = size
         self.bytes_written = 0
+        self.write_errors = 0
         self.bytes_read = 0
 
     def _check_manifest(self, describes: dict) -> None:
@@ -101,8 +107,14 @@ class DiskTier:
         metadata = {"format": FORMAT, "key": self.key, "block_hash": block_hash.hex(), "kind": kind,
                     "sha256": tensors_sha256(tensors)}
         temporary = path.with_name(path.name + ".tmp")
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(temporary), metadata=metadata)
-        os.replace(temporary, path)
+        try:
+            save_file({name: t.contiguous() for name, t in tensors.items()}, str(temporary), metadata=metadata)
+            os.replace(temporary, path)
+        except OSError as error:  # a full or failing disk costs the entry (a later miss), never a request
+            temporary.unlink(missing_ok=True)
+            self.write_errors += 1
+            log.warning("prefix cache spill: could not write %s (%s); the entry is dropped", path, error)
+            return
         size = path.stat().st_size
         self.files[(block_hash, kind)] = size
         self.bytes_written += size
