@@ -1,6 +1,8 @@
 """Prefill/decode disaggregation, the connector (docs/design.md §13.1): a prefill engine's request cache moves,
 through the checksummed wire format, into a decode engine, which finishes the request with the tokens a
 colocated engine and the model's own greedy decoding give; the decode pools hold the prefill side's bytes."""
+import hashlib
+
 import pytest
 import torch
 
@@ -178,6 +180,10 @@ def test_corrupted_payload_is_refused(model):
     for bad in (bytes(flipped), payload[:-1], payload + b"\0", payload[:10]):
         with pytest.raises(TransferError, match="checksum|shorter"):
             decode(bad)
+    # a well-formed checksum over a header that names a dtype outside the allow-list: refused, nothing unpickled
+    body = payload[:-32].replace(b'"dtype":"float32"', b'"dtype":"object!"', 1)
+    with pytest.raises(TransferError, match="kda_state: dtype 'object!' is not one of"):
+        decode(body + hashlib.sha256(body).digest())
 
 
 def test_mismatched_checkpoint_or_cache_dtype_is_refused(model):

@@ -71,7 +71,10 @@ def export_request(engine, request_id: int) -> RequestCache:
     """
     held = _held.setdefault(engine, {})
     if request_id in held:
-        seq = held[request_id][0]
+        seq, manager = held[request_id]
+        if manager is not engine.block_manager:
+            raise ValueError(f"request_id: request {request_id}'s cache was lost when the worker group restarted; "
+                             f"release it and recompute the request")
     else:
         seq = engine._sequences.get(request_id)  # read only: detach() below takes it out
         if seq is None or seq.status is not Status.RUNNING:
