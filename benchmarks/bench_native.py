@@ -9,6 +9,15 @@ plan_step_bytes exactly.
 
     python benchmarks/bench_native.py              # tiny, global batch 8 x 64, 2 warm-up + 3 timed steps
     python benchmarks/bench_native.py --quick      # 1 + 1 steps, batch 4 x 32: checks the harness
+    python benchmarks/bench_native.py --eplb       # EP2 and EP4 before / after an EPLB placement (below)
+
+--eplb: skewed traffic (the routing bias of experts 0-3, which the contiguous layout puts on ep rank 0 of
+EP2 and ranks 0-1 of EP4, raised by 0.5 in every MoE layer, so nearly every token picks two of them). Per
+layout, from one checkpoint (tiny: 8 experts, top-2): train with the contiguous experts, rebalance_experts
+on the step counts of the warm-up (a permutation: the native trainer takes no replicas), then train again
+with the experts in that placement. Each phase: the
+(token, expert) pairs each ep rank's experts computed over the timed steps, the step time, and whether the
+planned All-to-All bytes (which follow the placement) equal the measured ones.
 
 The machine these figures come from has 2 CPU cores shared with other jobs: 4 processes
 oversubscribe it, so a ratio above 1 measures the cores as much as the layout. The figures say
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from common import apply_threads, machine_info, make_parser, write_json
@@ -74,12 +84,104 @@ def bench_worker(layouts: list[NativeLayout], preset: str, batch: int, seq_len: 
         planned = {}
         if layout.pp == 1 or layout.data_shards == 1:
             planned = dict(plan_step_bytes(native, layout, routing.gathered(native.mesh["ep"])))
-        measured = {k: n for k, n in meter.bytes.items() if k.startswith(PLANNED)}
+        # a kind with no bytes (a rank that sent no pair: 0 id bytes) is left out, as the plan leaves it out
+        measured = {k: n for k, n in meter.bytes.items() if k.startswith(PLANNED) and n}
         results.append({"step_s": sum(each_s) / steps, "each_step_s": each_s, "bytes": dict(meter.bytes),
                         "calls": dict(meter.calls),
                         "planned": planned, "plan_exact": measured == planned if planned or measured else None,
                         "final_loss": losses[-1]})
     return results
+
+
+EPLB_LAYOUTS = {"EP2": NativeLayout(ep=2), "EP4": NativeLayout(ep=4)}
+HOT_EXPERTS, HOT_BIAS = (0, 1, 2, 3), 0.5
+
+
+def skewed_checkpoint(preset: str, directory: str) -> None:
+    """A seeded model whose routers prefer HOT_EXPERTS in every MoE layer (the bias picks, never weighs)."""
+    torch.manual_seed(0)
+    model = LatentMoEForCausalLM(ModelConfig.from_preset(preset))
+    for block in model.layers:
+        if block.is_moe:
+            block.ffn.correction_bias[list(HOT_EXPERTS)] += HOT_BIAS
+    model.save_pretrained(directory)
+
+
+def _timed_phase(native, batches: list[torch.Tensor], warmup: int) -> dict:
+    """Train `batches` (the first `warmup` untimed); counts of the warm-up, pairs per rank of the timed steps."""
+    import torch.distributed as dist
+
+    from latentmoe_lab.native.expert_placement import pairs_per_rank, placed_layers
+    from latentmoe_lab.native.train import NativeTrainer
+    from latentmoe_lab.native.traffic import CollectiveMeter, RoutingRecorder, plan_step_bytes
+
+    trainer, layout = NativeTrainer(native), native.layout
+    config = native.module.config
+    counts = sum(trainer.step(ids)["counts"] for ids in batches[:warmup])
+    placed = {int(name.split(".")[1]): row for name, row in placed_layers(native.module).items()}
+    pairs, each_s = torch.zeros(layout.ep, dtype=torch.int64), []
+    for ids in batches[warmup:]:
+        dist.barrier()
+        start = time.perf_counter()
+        with CollectiveMeter() as meter, RoutingRecorder(native.module) as routing:
+            trainer.step(ids)
+        dist.barrier()
+        each_s.append(time.perf_counter() - start)
+        calls = routing.gathered(native.mesh["ep"])
+        for call in calls:
+            pairs += pairs_per_rank(call.indices, config.moe.num_experts, layout.ep, placed.get(call.layer))
+        planned = dict(plan_step_bytes(native, layout, calls))
+        exact = planned == {k: n for k, n in meter.bytes.items() if k.startswith(PLANNED) and n}
+    return {"warmup_counts": counts, "pairs_per_rank": pairs.tolist(), "step_s": sum(each_s) / len(each_s),
+            "min_step_s": min(each_s), "plan_exact": exact}
+
+
+def eplb_worker(layout: NativeLayout, checkpoint: str, preset: str, batch: int, seq_len: int, warmup: int,
+                steps: int, threads: int) -> dict:
+    """Before: contiguous experts; after: the placement rebalance_experts draws from the before-warm-up counts."""
+    from latentmoe_lab.native.build import build_native
+    from latentmoe_lab.native.layout import build_mesh
+    from latentmoe_lab.parallel.eplb import rebalance_experts
+    from latentmoe_lab.parallel.mesh import init_distributed
+
+    init_distributed(300)
+    torch.set_num_threads(threads)
+    config = ModelConfig.from_preset(preset)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (batch, seq_len), generator=generator)
+               for _ in range(warmup + steps)]
+    before = _timed_phase(build_native(config, layout, build_mesh(layout), checkpoint), batches, warmup)
+    placement = rebalance_experts(before["warmup_counts"].double(), config.moe.num_experts, 1, 1, layout.ep,
+                                  refine=True)[0]
+    after = _timed_phase(build_native(config, layout, build_mesh(layout), checkpoint, placement=placement),
+                         batches, warmup)
+    return {"before": before, "after": after, "placement": placement}
+
+
+def run_eplb(preset: str, batch: int, seq_len: int, warmup: int, steps: int, threads: int) -> list[dict]:
+    import tempfile
+
+    from latentmoe_lab.parallel.launch import launch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        skewed_checkpoint(preset, tmp)
+        for name, layout in EPLB_LAYOUTS.items():
+            ranks = launch(eplb_worker, layout.world_size, timeout_s=900,
+                           args=(layout, tmp, preset, batch, seq_len, warmup, steps, threads))
+            for phase in ("before", "after"):
+                pairs = ranks[0][phase]["pairs_per_rank"]
+                rows.append({"layout": name, "phase": phase, "pairs_per_rank": pairs,
+                             "mean_over_max": sum(pairs) / len(pairs) / max(pairs),
+                             "step_s": max(r[phase]["step_s"] for r in ranks),
+                             "min_step_s": max(r[phase]["min_step_s"] for r in ranks),
+                             "planned_equals_measured": all(r[phase]["plan_exact"] for r in ranks),
+                             "placement": ranks[0]["placement"].tolist() if phase == "after" else None})
+    for row in rows:
+        print(f"{row['layout']:4s} {row['phase']:6s} pairs per rank {row['pairs_per_rank']}  mean/max "
+              f"{row['mean_over_max']:.3f}  step {row['step_s'] * 1e3:.0f} ms (min {row['min_step_s'] * 1e3:.0f})  "
+              f"plan==measured {row['planned_equals_measured']}")
+    return rows
 
 
 def in_this_process(fn, args: tuple):
@@ -150,9 +252,20 @@ def main() -> None:
     parser = make_parser(__doc__, default_threads=1)
     parser.add_argument("--preset", default="tiny", choices=["tiny", "mini"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (default: 3)")
+    parser.add_argument("--eplb", action="store_true", help="EP2 / EP4 before and after an EPLB placement "
+                        "(writes bench_native_eplb.json)")
     args = parser.parse_args()
     apply_threads(args)
     batch, seq_len, warmup, steps = (4, 32, 1, 1) if args.quick else (8, 64, 2, args.steps)
+    if args.eplb:
+        rows = run_eplb(args.preset, batch, seq_len, warmup, steps, args.threads)
+        setup = dict(preset=args.preset, global_batch=batch, seq_len=seq_len, warmup_steps=warmup, timed_steps=steps,
+                     hot_experts=list(HOT_EXPERTS), hot_bias=HOT_BIAS)
+        out = Path(__file__).with_name("bench_native_eplb.json")
+        machine = machine_info(quick=args.quick, threads_per_process=args.threads, backend="gloo (CPU)",
+                               load_average_1min=os.getloadavg()[0])
+        print(f"results: {write_json(__file__, dict(machine=machine, setup=setup, results=rows), out)}")
+        return
     with torch.device("meta"):
         model = LatentMoEForCausalLM(ModelConfig.from_preset(args.preset))
     param_bytes = sum(p.numel() * 4 for p in model.parameters())

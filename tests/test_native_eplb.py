@@ -8,7 +8,8 @@ tiny preset (3 MoE layers x 8 experts) over gloo processes on 127.0.0.1:
   the trainer refuses it (ValueError naming `placement`);
 - a checkpoint saved under one placement loads under another (with or without replicas) and into one
   plain process, and equals the trained model; the files hold the experts in logical order;
-- move_rows (the All-to-All the checkpoint mapping rides on) against plain indexing.
+- move_rows (the All-to-All the checkpoint mapping rides on) against plain indexing, and the planned
+  All-to-All bytes of a step under a placement against the measured ones.
 """
 import pytest
 import torch
@@ -103,6 +104,7 @@ def _checkpoint_worker(reference: str, saved: str, settings: EquivalenceSettings
     from latentmoe_lab.native.forward import native_logits
     from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.native.train import NativeTrainer
+    from latentmoe_lab.native.traffic import CollectiveMeter, RoutingRecorder, plan_step_bytes
     from latentmoe_lab.parallel.mesh import init_distributed
 
     init_distributed(60)
@@ -119,7 +121,10 @@ def _checkpoint_worker(reference: str, saved: str, settings: EquivalenceSettings
 
     first = build_native(CONFIG, layout, build_mesh(layout), reference, dtype=dtype, placement=PERMUTATION)
     trainer = NativeTrainer(first, lr=settings.lr)
-    trainer.step(batches[0])
+    with CollectiveMeter() as meter, RoutingRecorder(first.module) as routing:
+        trainer.step(batches[0])
+    planned = plan_step_bytes(first, layout, routing.gathered(first.mesh["ep"]))
+    measured = {kind: n for kind, n in meter.bytes.items() if kind.startswith(("fsdp.", "ep.")) and n}
     save_sharded(first, saved, optimizer=trainer.optimizer)
     trained_logits = native_logits(first, batches[1])
     trained = logical_parameters(first.module)
@@ -142,7 +147,7 @@ def _checkpoint_worker(reference: str, saved: str, settings: EquivalenceSettings
     except ValueError as error:
         refusal = str(error)
     error = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a)  # noqa: E731
-    return {"rows_ok": rows_ok, "trained_logits": trained_logits, "trained": trained,
+    return {"rows_ok": rows_ok, "planned": dict(planned), "measured": measured, "trained_logits": trained_logits, "trained": trained,
             "load_error": error(loaded, trained), "resume_error": error(resumed_after_two, after_two),
             "replicated_logit_error": float((replicated_logits - trained_logits).abs().max()), "refusal": refusal}
 
@@ -154,6 +159,8 @@ def test_checkpoints_map_between_placements_and_the_plain_model(tmp_path):
     ranks = launch(_checkpoint_worker, 2, args=(str(tmp_path / "reference"), str(saved), settings), timeout_s=240)
     for result in ranks:
         assert result["rows_ok"]
+        # the All-to-All bytes follow the placement: planned from the routing, equal to the measured ones
+        assert result["planned"]["ep.all_to_all.rows"] > 0 and result["planned"] == result["measured"]
         assert result["load_error"] == 0.0              # placement A -> disk -> placement B: bit for bit
         assert result["resume_error"] <= 1e-12          # the optimizer state followed its experts
         assert result["replicated_logit_error"] <= 1e-10

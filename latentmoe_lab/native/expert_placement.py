@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.native.stage import named_blocks
-from latentmoe_lab.parallel.eplb_serving import check_placement
+from latentmoe_lab.parallel.eplb_serving import check_placement, choose_replicas, slot_tables
 
 EXPERT_STACKS = ("w13", "w2")
 
@@ -60,6 +60,26 @@ def placed_layers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def has_replicas(module: nn.Module) -> bool:
     return any(len(row) > int(row.max()) + 1 for row in placed_layers(module).values())
+
+
+def pair_destinations(indices: torch.Tensor, num_experts: int, ep: int, phy2log: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """indices [R_ep, N, K] every ep rank's routing -> [R_ep, N, K] the ep rank each pair is sent to.
+
+    phy2log [P]: the layer's EPLB placement (the replica expert.py's dispatcher picks); None: contiguous experts.
+    """
+    if phy2log is None:
+        return indices // (num_experts // ep)
+    log2phy, logcnt = slot_tables(phy2log, num_experts, len(phy2log) - num_experts + 1)
+    per_rank = len(phy2log) // ep
+    return torch.stack([choose_replicas(own, log2phy, logcnt, r, per_rank) // per_rank
+                        for r, own in enumerate(indices)])
+
+
+def pairs_per_rank(indices: torch.Tensor, num_experts: int, ep: int, phy2log: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """[ep] int64: the (token, expert) pairs each ep rank's experts compute in one dispatch (its load)."""
+    return torch.bincount(pair_destinations(indices, num_experts, ep, phy2log).reshape(-1), minlength=ep)
 
 
 def _stack_prefix(key: str, placed: dict[str, torch.Tensor]) -> str | None:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from latentmoe_lab.layers.moe import LatentMoE
+from latentmoe_lab.native.expert_placement import pair_destinations, placed_layers
 from latentmoe_lab.native.layout import PARAM_DTYPES, NativeLayout
 from latentmoe_lab.native.stage import named_blocks
 
@@ -190,13 +191,15 @@ class RoutingRecorder:
         return out
 
 
-def expert_pairs(indices: torch.Tensor, num_experts: int, ep: int, rank: int) -> dict[str, int]:
+def expert_pairs(indices: torch.Tensor, num_experts: int, ep: int, rank: int,
+                 phy2log: torch.Tensor | None = None) -> dict[str, int]:
     """Rows rank `rank` of the ep group sends to / receives from the others, both ways of shipping them.
 
-    indices [R_ep, N, K]: every ep rank's routing. "pairs": one row per (token, expert) pair, what
-    expert.py sends; "grouped": one row per (token, destination rank), what parallel/expert.py sends.
+    indices [R_ep, N, K]: every ep rank's routing; phy2log: the layer's placement (pair_destinations).
+    "pairs": one row per (token, expert) pair, what expert.py sends; "grouped": one row per (token,
+    destination rank), what parallel/expert.py sends.
     """
-    dest = indices // (num_experts // ep)  # [R, N, K] destination rank of each pair
+    dest = pair_destinations(indices, num_experts, ep, phy2log)  # [R, N, K] destination rank of each pair
     to_rank = torch.stack([torch.bincount(d.reshape(-1), minlength=ep) for d in dest])  # [src, dst] pairs
     hits = torch.stack([(dest == r).any(-1).sum(-1) for r in range(ep)], dim=1)  # [src, dst] tokens
     others = [r for r in range(ep) if r != rank]
@@ -205,8 +208,9 @@ def expert_pairs(indices: torch.Tensor, num_experts: int, ep: int, rank: int) ->
 
 
 def plan_expert_bytes(calls: list[DispatchCall], num_experts: int, ep: int, rank: int, latent_size: int,
-                      row_dtype: torch.dtype) -> Counter[str]:
-    """ep.all_to_all.* bytes this ep rank sends in `calls` (expert.py's NativeDispatcher).
+                      row_dtype: torch.dtype, placement: dict[int, torch.Tensor] | None = None) -> Counter[str]:
+    """ep.all_to_all.* bytes this ep rank sends in `calls` (expert.py's NativeDispatcher); placement:
+    {layer index: phy2log [P]} of the layers whose experts sit in an EPLB placement's slots.
 
     Per dispatch: counts [ep] int64 (one to each other rank), ids int32 per sent pair, and rows of
     latent_size: the tokens out and the expert outputs back (the rows other ranks sent here), then
@@ -217,7 +221,7 @@ def plan_expert_bytes(calls: list[DispatchCall], num_experts: int, ep: int, rank
         return plan
     row_bytes = latent_size * _element_size(row_dtype)
     for call in calls:
-        rows = expert_pairs(call.indices, num_experts, ep, rank)
+        rows = expert_pairs(call.indices, num_experts, ep, rank, (placement or {}).get(call.layer))
         one_way = (rows["pairs_sent"] + rows["pairs_received"]) * row_bytes
         plan["ep.all_to_all.counts"] += (ep - 1) * 8
         plan["ep.all_to_all.ids"] += rows["pairs_sent"] * 4
@@ -305,7 +309,8 @@ def plan_step_bytes(native_or_module, layout: NativeLayout, routing: list[Dispat
         moe = module.config.moe
         compute = cast if cast is not None and layout.data_shards > 1 else stored
         ep_rank = _ep_rank(module)
-        plan += plan_expert_bytes(routing, moe.num_experts, layout.ep, ep_rank, moe.latent_size, compute)
+        placement = {int(name.split(".")[1]): row for name, row in placed_layers(module).items()}
+        plan += plan_expert_bytes(routing, moe.num_experts, layout.ep, ep_rank, moe.latent_size, compute, placement)
     return Counter({kind: n for kind, n in plan.items() if n})
 
 
