@@ -7,6 +7,7 @@ restarts, last_stats) on top of serving/disagg/router.py, so that clients see th
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Callable
@@ -73,6 +74,7 @@ class DisaggWorker:
         self.router: Router | None = None
         self.model = None  # .config.vocab_size, from the instances (the weights live there)
         self.last_stats: dict = {}
+        self.transfers: deque = deque(maxlen=10_000)  # (key, bytes, seconds, prompt tokens), the latest ones
 
     @property
     def restarts(self) -> int:
@@ -133,7 +135,8 @@ class DisaggWorker:
             self.roles.tpot.labels(role="decode", instance=name).observe((last - first) / (len(decode_times) - 1))
         self._publish()
 
-    def _transferred(self, size: int, seconds: float) -> None:
+    def _transferred(self, key: int, size: int, seconds: float, prompt_tokens: int) -> None:
+        self.transfers.append((key, size, seconds, prompt_tokens))
         self.roles.transfer_bytes.inc(size)
         self.roles.transfer_seconds.observe(seconds)
 

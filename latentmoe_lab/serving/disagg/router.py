@@ -74,6 +74,7 @@ class RoutedRequest:
     payload: tuple | None = None  # (start, bytes) waiting for a decode instance
     resends: int = 0
     recomputes: int = 0
+    prompt_sent: int = 0  # the prompt the prefill instance computes (prompt + tokens so far on a recompute)
 
     def resumed(self) -> tuple[list[int], SamplingParams]:
         """Prompt + tokens so far and the params of the rest (a recompute)."""
@@ -128,7 +129,7 @@ class Router:
             raise ValueError("disaggregation: the service file has no disaggregation: section")
         self.config, self.model_loader, self.max_restarts = config, model_loader, max_restarts
         self.faults = faults or {}  # instance name ("prefill0") -> its first process's faults (tests)
-        self.on_transfer = on_transfer  # (bytes, seconds) of every acked transfer (the server's /metrics)
+        self.on_transfer = on_transfer  # (key, bytes, seconds, prompt tokens) of every acked transfer
         self.counts = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "refused": 0,
                        "recomputed": 0}
         self.restarts = {"prefill": 0, "decode": 0}
@@ -251,6 +252,7 @@ class Router:
             self._finish(request, "length", None)
             return
         request.prefill, request.decode, request.payload = instance, None, None
+        request.prompt_sent = len(prompt)
         instance.send(("add", request.key, prompt, params))
 
     def _to_decode(self, request: RoutedRequest) -> None:
@@ -310,7 +312,7 @@ class Router:
             self.counts["transfer_bytes"] += size
             self.counts["transfer_seconds"] += seconds
             if self.on_transfer is not None:
-                self.on_transfer(size, seconds)
+                self.on_transfer(request.key, size, seconds, request.prompt_sent)
             if request.prefill is not None:
                 request.prefill.send(("release", request.key))  # the ack: the prefill side frees its blocks
                 request.prefill = None
