@@ -22,12 +22,13 @@ NEW_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS)
 
 
-def service(kv_cache_dtype: str = "auto", **parallel) -> ServiceConfig:
+def service(kv_cache_dtype: str = "auto", speculative: dict | None = None, **parallel) -> ServiceConfig:
     return ServiceConfig.from_dict({
         "model": {"preset": "tiny", "max_model_len": 256},
         "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True,
                    "kv_cache_dtype": kv_cache_dtype},
-        "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}} | ({"parallel": parallel} if parallel else {}))
+        "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}} | ({"parallel": parallel} if parallel else {})
+        | ({"speculative": speculative} if speculative else {}))
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +107,21 @@ def run_1p1d(prefill: Engine, decode_engine: Engine, prompts, check_pools: bool 
     return tokens, transfers
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "fp8"])
-def test_1p1d_equals_colocated_and_the_model(model, prompts, kv_cache_dtype):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("kv_cache_dtype, speculative", [("auto", None), ("bf16", None), ("fp8", None),
+                                                          ("fp8", NGRAM)])
+def test_1p1d_equals_colocated_and_the_model(model, prompts, kv_cache_dtype, speculative):
+    """With speculative decoding on both sides too: the decode side's sequences take their K spare slots."""
     colocated = Engine(model, service(kv_cache_dtype))
     expected = [o.token_ids for o in colocated.generate(prompts, PARAMS, use_tqdm=False)]
     assert expected == [reference_tokens(model, p, kv_cache_dtype) for p in prompts]
-    prefill, decode_engine = Engine(model, service(kv_cache_dtype)), Engine(model, service(kv_cache_dtype))
+    prefill, decode_engine = (Engine(model, service(kv_cache_dtype, speculative)),
+                              Engine(model, service(kv_cache_dtype, speculative)))
     tokens, transfers = run_1p1d(prefill, decode_engine, prompts)
     assert tokens == expected
+    assert (decode_engine.stats()["spec_draft_tokens"] > 0) == (speculative is not None)  # drafts were verified
     assert prefill.scheduler.prefix_hit_tokens > 0  # the shared prefixes hit on the prefill side
     cache_dtype = service(kv_cache_dtype).cache_dtype
     for prompt_len, payload in transfers:  # planned == measured, per request

@@ -25,6 +25,7 @@ from latentmoe_lab.serving.disagg.pool_rows import flat_positions, read_request_
 from latentmoe_lab.serving.disagg.request_cache import RequestCache, check_compatible, engine_identity
 from latentmoe_lab.serving.failures import StepError
 from latentmoe_lab.serving.sequence import Sequence, Status
+from latentmoe_lab.serving.spec.slots import acquire_slots, release_slots
 
 
 class NoRoomError(RuntimeError):
@@ -61,7 +62,7 @@ def _blocked_by_held(engine) -> bool:
     scheduler, manager = engine.scheduler, engine.block_manager
     if scheduler.running or not scheduler.waiting or not held_requests(engine):
         return False
-    return not manager.free_slots or manager.num_free_blocks == 0
+    return len(manager.free_slots) < 1 + scheduler.spec_tokens or manager.num_free_blocks == 0
 
 
 def export_request(engine, request_id: int) -> RequestCache:
@@ -114,8 +115,8 @@ def release_exported(engine, request_id: int) -> None:
     seq, manager = held.pop(request_id)
     if manager is engine.block_manager:  # else the bookkeeping was rebuilt empty: nothing left to give back
         manager.release_blocks(seq.block_table)
-        manager.release_slot(seq.slot)
-    seq.block_table, seq.slot, seq.status = [], None, Status.FINISHED
+        release_slots(manager, seq)  # its slot, and the spare ones of speculative decoding
+    seq.block_table, seq.slot, seq.spare_slots, seq.status = [], None, [], Status.FINISHED
 
 
 def import_request(engine, cache: RequestCache) -> int:
@@ -142,11 +143,11 @@ def import_request(engine, cache: RequestCache) -> int:
     if scheduler.num_unfinished >= engine.config.scheduler.max_batch_size or \
             len(scheduler.running) >= scheduler.max_num_seqs:
         raise NoRoomError(f"no room: {scheduler.num_unfinished} requests held, {len(scheduler.running)} running")
-    blocks_needed = -(-n // manager.block_size)
-    if blocks_needed > manager.num_free_blocks or not manager.free_slots:
+    blocks_needed, slots_needed = -(-n // manager.block_size), 1 + scheduler.spec_tokens  # K spares (§12)
+    if blocks_needed > manager.num_free_blocks or len(manager.free_slots) < slots_needed:
         raise NoRoomError(f"no room: {blocks_needed} blocks needed, {manager.num_free_blocks} free; "
-                          f"{len(manager.free_slots)} KDA slots free")
-    slot, blocks = manager.acquire_slot(), manager.allocate_blocks(blocks_needed)
+                          f"{slots_needed} KDA slots needed, {len(manager.free_slots)} free")
+    (slot, *spares), blocks = acquire_slots(manager, slots_needed), manager.allocate_blocks(blocks_needed)
     write_request_rows(engine.pools, flat_positions(blocks, manager.block_size, n), slot, cache.tensors())
 
     def make_sequence(request_id: int) -> Sequence:
@@ -154,7 +155,8 @@ def import_request(engine, cache: RequestCache) -> int:
         seq.token_ids.append(cache.first_token)
         seq.generator.set_state(cache.generator_state.clone())
         seq.logprobs, seq.prompt_logprobs = list(cache.logprobs), list(cache.prompt_logprobs)
-        seq.slot, seq.block_table, seq.num_computed, seq.status = slot, blocks, n, Status.RUNNING
+        seq.slot, seq.spare_slots, seq.block_table = slot, spares, blocks
+        seq.num_computed, seq.status = n, Status.RUNNING
         seq.first_scheduled_time = seq.arrival_time  # its first token came with it
         seq.token_times.append(seq.arrival_time)
         return seq
