@@ -8,6 +8,9 @@ and 2 snapshots: three 256-token prefixes take turns, so every second visit of a
 import pytest
 import torch
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.invariance import recorded_logits
 from latentmoe_lab.serving.planner import pools_bytes
@@ -57,6 +60,14 @@ def assert_same(run, fresh):
     assert all(torch.equal(a, b) for a, b in zip(rows, fresh[1]))
 
 
+def spill_samples(stats) -> dict:
+    """/metrics samples of the spill's counters after a server observed these engine stats."""
+    metrics = ServerMetrics()
+    metrics.observe_engine(stats)
+    return {(s.name, *s.labels.values()): s.value for f in text_string_to_metric_families(metrics.exposition().decode())
+            for s in f.samples if s.name.startswith(("latentmoe_prefix_hits", "latentmoe_prefix_spill"))}
+
+
 def assert_drained(engine):
     stats = engine.stats()
     assert (stats["blocks_used"], stats["slots_used"], stats["running"], stats["waiting"]) == (0, 0, 0, 0)
@@ -72,6 +83,9 @@ def test_a_spilled_hit_equals_a_fresh_run(model, prompts, fresh, tmp_path, tier,
     assert stats[f"spill_bytes_{tier}_to_device"] > 0 and stats["spill_bytes_device_to_host"] > 0
     assert (stats["spill_host_bytes"] > 0) == (tier == "host") and (stats["spill_disk_bytes"] > 0) == (tier == "disk")
     assert_drained(engine)
+    samples = spill_samples(stats)
+    assert samples[("latentmoe_prefix_hits_total", tier)] == 3 and samples[("latentmoe_prefix_hits_total", "refused")] == 0
+    assert samples[("latentmoe_prefix_spill_bytes_total", f"{tier}_to_device")] == stats[f"spill_bytes_{tier}_to_device"]
     host = engine.block_manager.host
     engine.reset()  # forgets the device's prefix cache, not the spill
     assert engine.block_manager.host is host and engine.stats()[f"prefix_hits_{tier}"] == 3
@@ -81,6 +95,7 @@ def test_without_a_spill_the_small_device_cache_misses(model, prompts, fresh):
     engine = Engine(model, service(model))
     assert_same(serve(engine, prompts), fresh)
     assert engine.stats()["prefix_hit_tokens"] == 0 and "prefix_hits_host" not in engine.stats()
+    assert spill_samples(engine.stats()) == {}  # no spill, no series
 
 
 @pytest.fixture

@@ -67,6 +67,13 @@ class ServerMetrics:
                                      ["layer", "expert"], registry=r)
         self.eplb_bytes_moved = Counter(f"{p}_eplb_bytes_moved", "expert weight bytes copied by EPLB migrations",
                                         registry=r)
+        # prefix cache spill (serving/prefix_spill.py): Engine.stats() has these keys only with a prefix_cache:
+        # section, and the series appear when it does
+        self.prefix_hits = Counter(f"{p}_prefix_hits", "prefix-cache hits by the deepest tier they read "
+                                   "(refused: a spilled entry failed its checks and was recomputed)", ["tier"],
+                                   registry=r)
+        self.spill_bytes = Counter(f"{p}_prefix_spill_bytes", "bytes the prefix-cache spill copied, by direction",
+                                   ["direction"], registry=r)
         self.engine_replaced()
 
     def observe_engine(self, stats: dict) -> None:
@@ -104,6 +111,19 @@ class ServerMetrics:
         if moved > self._engine_counts["eplb_bytes_moved"]:
             self.eplb_bytes_moved.inc(moved - self._engine_counts["eplb_bytes_moved"])
         self._engine_counts["eplb_bytes_moved"] = moved
+        for key, (counter, label) in self._spill_series().items():
+            if key in stats:
+                series = counter.labels(label)  # exported from the first step on, at 0 until it counts
+                increment = stats[key] - self._engine_counts.get(key, 0)
+                if increment > 0:
+                    series.inc(increment)
+                self._engine_counts[key] = stats[key]
+
+    def _spill_series(self) -> dict:
+        """Engine.stats() key -> (counter, label value) of the prefix-cache spill."""
+        hits = {f"prefix_hits_{tier}": (self.prefix_hits, tier) for tier in ("device", "host", "disk", "refused")}
+        return hits | {f"spill_bytes_{way}": (self.spill_bytes, way) for way in
+                       ("device_to_host", "host_to_disk", "host_to_device", "disk_to_device")}
 
     def engine_replaced(self) -> None:
         """A fresh engine counts from zero again."""
