@@ -13,7 +13,7 @@ from latentmoe_lab.quant.kv_cache import quantized_kv_cache
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.disagg import (NoRoomError, TransferError, bytes_per_request, decode, encode,
                                           export_request, held_requests, held_sequence, import_request, prefill_step,
-                                          release_exported, transfer_bytes_by_kind)
+                                          release_exported, transfer_bytes_by_kind, waiting_for_ack)
 from latentmoe_lab.serving.disagg.pool_rows import flat_positions
 from latentmoe_lab.serving.disagg.wire import payload_tensor_bytes
 from latentmoe_lab.serving.service_plan import service_plan_text
@@ -224,3 +224,21 @@ def test_export_boundary_release_and_room(model):
     while decode_engine.has_unfinished():
         decode_engine.step()
     assert decode_engine.block_manager.blocks_used == 0 and decode_engine.block_manager.slots_used == 0
+
+
+def test_held_requests_wait_for_the_ack(model):
+    """Held requests keep their slots: with every slot held and nothing running the prefill engine waits for an
+    ack (prefill_step does nothing rather than raise), and the next request runs once one is released."""
+    engine = Engine(model, service("fp8"))
+    for prompt in ([1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]):  # max_num_seqs 4: the fifth must wait
+        engine.add_request(prompt, PARAMS)
+    exported = []
+    while len(exported) < 4:
+        exported += prefill_step(engine)[1]
+    assert waiting_for_ack(engine) and prefill_step(engine) == ([], [])
+    release_exported(engine, exported[0].request_id)
+    assert not waiting_for_ack(engine)
+    assert [cache.prompt_ids for cache in prefill_step(engine)[1]] == [[11, 12]]
+    for request in held_requests(engine):
+        release_exported(engine, request)
+    assert engine.block_manager.blocks_used == 0 and engine.block_manager.slots_used == 0

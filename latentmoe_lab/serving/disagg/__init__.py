@@ -10,10 +10,12 @@
 from latentmoe_lab.serving.disagg.request_cache import (CacheIdentity, RequestCache, check_compatible,
                                                          engine_identity)
 from latentmoe_lab.serving.disagg.transfer import (NoRoomError, export_request, held_requests, held_sequence,
-                                                    import_request, prefill_step, release_exported)
+                                                    import_request, prefill_step, release_exported,
+                                                    waiting_for_ack)
 from latentmoe_lab.serving.disagg.transfer_bytes import bytes_per_request, payload_shapes, transfer_bytes_by_kind
 from latentmoe_lab.serving.disagg.wire import TransferError, decode, encode
 
 __all__ = ["CacheIdentity", "NoRoomError", "RequestCache", "TransferError", "bytes_per_request", "check_compatible",
            "decode", "encode", "engine_identity", "export_request", "held_requests", "held_sequence", "import_request",
-           "payload_shapes", "prefill_step", "release_exported", "transfer_bytes_by_kind"]
+           "payload_shapes", "prefill_step", "release_exported", "transfer_bytes_by_kind",
+           "waiting_for_ack"]

@@ -45,7 +45,7 @@ def prefill_step(engine) -> tuple[list, list[RequestCache]]:
     While held requests keep every slot (or block) and nothing runs, there is nothing to step: ([], []) until
     an ack frees room.
     """
-    if _blocked_by_held(engine):
+    if waiting_for_ack(engine):
         return [], []
     try:
         outputs = engine.step()
@@ -56,9 +56,9 @@ def prefill_step(engine) -> tuple[list, list[RequestCache]]:
     return outputs, caches
 
 
-def _blocked_by_held(engine) -> bool:
-    """Nothing runs and the held requests' slots or blocks keep the waiting head out (a step would raise:
-    the engine refuses to spin on a queue it cannot admit)."""
+def waiting_for_ack(engine) -> bool:
+    """True when nothing runs and the held requests' slots or blocks keep the waiting head out: a step could
+    do nothing (the engine would raise rather than spin), so a prefill loop waits for the next ack."""
     scheduler, manager = engine.scheduler, engine.block_manager
     if scheduler.running or not scheduler.waiting or not held_requests(engine):
         return False
