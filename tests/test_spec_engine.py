@@ -261,3 +261,16 @@ def test_abort_mid_verify_gives_every_slot_and_block_back(model, prompts, refere
 def test_mtp_on_worker_processes_is_refused_naming_the_layout(model):
     with pytest.raises(ValueError, match=r"speculative\.method: 'mtp' needs the target's hidden states"):
         Engine(model, service("mtp", k=2, parallel={"forward_process": True}))
+
+
+def test_the_forward_process_verifies_drafts_too(model, prompts, references):
+    """spec_slots travel to the worker with the step: greedy tokens still equal generate, drafts accepted."""
+    engine = engine_for(model, references, "oracle", k=3, parallel={"forward_process": True})
+    try:
+        outputs = engine.generate([prompts[i] for i in (3, 7)], SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
+        for i, out in zip((3, 7), outputs):
+            assert out.token_ids == references[i][len(prompts[i]):len(prompts[i]) + NEW_TOKENS], f"prompt {i}"
+        assert 0 < engine.stats()["spec_accepted_tokens"] < engine.stats()["spec_draft_tokens"]
+        assert_drained(engine)
+    finally:
+        engine.close()

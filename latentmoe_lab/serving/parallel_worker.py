@@ -54,7 +54,7 @@ from latentmoe_lab.parallel.tensor import (TensorParallel, local_config, shard_d
 from latentmoe_lab.serving.pipeline_stage import ServingStage, StageForward, keep_stage
 
 INDEX_FIELDS = ("input_ids", "positions", "query_start", "context_len", "state_slot", "block_table",
-                "slot_mapping", "emit", "image_mask", "decode", "logits_index")
+                "slot_mapping", "emit", "image_mask", "decode", "logits_index", "spec_slots")  # spec: verify steps
 BOOL_FIELDS = ("emit", "image_mask", "decode")
 
 
