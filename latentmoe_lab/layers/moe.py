@@ -32,9 +32,11 @@ from torch.profiler import record_function
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.norm import RMSNorm
+from latentmoe_lab.ops import batch_invariant
 from latentmoe_lab.ops.balancing import bias_update, router_z_loss, sequence_aux_loss
-from latentmoe_lab.ops.routing import (combine, grouped_matmul, permute, plan_dispatch, route_topk,
-                                       route_topk_reference, row_tiles, swiglu)
+from latentmoe_lab.ops import grouped_experts
+from latentmoe_lab.ops.routing import (combine, grouped_matmul, grouped_matmul_reference, permute, plan_dispatch,
+                                       route_topk, route_topk_reference, row_tiles, swiglu)
 
 
 class Dispatcher(Protocol):
@@ -85,11 +87,21 @@ class LatentExperts(nn.Module):
     def forward(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """z_perm [M, latent] expert-major, counts [E] rows per expert -> [M, latent].
 
-        On CPU the rows go in tiles of ops.routing.CPU_TILE_ROWS (an expert may span two tiles), so the
-        [rows, 2 * inter] pre-activation stays in cache; the result is the same as one pass.
+        On CPU: torch._grouped_mm with a hand-written SwiGLU backward (ops.grouped_experts), except in
+        batch-invariant mode, whose bits must not depend on the other rows' experts (`forward_tiles`).
         """
         if counts.dim() != 1 or counts.shape[0] != self.w13.shape[0]:
             raise ValueError(f"counts: expected shape ({self.w13.shape[0]},) [E], got {tuple(counts.shape)}")
+        if grouped_experts.fits(z_perm, self.w13, self.w2) and not batch_invariant.active():
+            return grouped_experts.grouped_swiglu_experts(z_perm, counts, self.w13, self.w2, self.activation_clamp)
+        return self.forward_tiles(z_perm, counts)
+
+    def forward_tiles(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`forward` through ops.routing's grouped matmul: z_perm [M, latent], counts [E] -> [M, latent].
+
+        Triton on GPU; on CPU the batch-invariant path, in tiles of ops.routing.CPU_TILE_ROWS rows (an expert
+        may span two tiles) so the [rows, 2 * inter] pre-activation stays in cache.
+        """
         offsets = counts.cumsum(0)
         tiles = []
         for start, stop in row_tiles(z_perm.shape[0], z_perm.device):
@@ -97,6 +109,12 @@ class LatentExperts(nn.Module):
             hidden = _glu(grouped_matmul(z_perm[start:stop], self.w13, tile_offsets), self.activation_clamp)
             tiles.append(grouped_matmul(hidden, self.w2, tile_offsets))
         return torch.cat(tiles) if len(tiles) > 1 else tiles[0]
+
+    def forward_reference(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Twin of `forward`: one plain matmul per expert slice (ops.routing.grouped_matmul_reference)."""
+        offsets = counts.cumsum(0)
+        hidden = _glu(grouped_matmul_reference(z_perm, self.w13, offsets), self.activation_clamp)
+        return grouped_matmul_reference(hidden, self.w2, offsets)
 
     def expert_reference(self, z: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert_e(z) for one latent token z [latent] -> [latent], the textbook form."""

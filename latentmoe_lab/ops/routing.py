@@ -218,7 +218,7 @@ def row_tiles(rows: int, device: torch.device) -> list[tuple[int, int]]:
     return [(start, min(start + step, rows)) for start in range(0, max(rows, 1), step)]
 
 
-def _check_grouped_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+def check_grouped_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
     if x.dim() != 2:
         raise ValueError(f"x: expected 2 dims [M, D_in], got shape {tuple(x.shape)}")
     if w.dim() != 3 or w.shape[0] < 1 or w.shape[1] != x.shape[1]:
@@ -253,7 +253,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, impl
     """
     if impl not in ("auto", "grouped_mm", "padded"):
         raise ValueError(f"impl: must be 'auto', 'grouped_mm' or 'padded', got {impl!r}")
-    _check_grouped_args(x, w, offsets)
+    check_grouped_args(x, w, offsets)
     if resolve_backend(backend, x, w) == "triton":
         from latentmoe_kernels.grouped_gemm import grouped_gemm
         return grouped_gemm(x, w, offsets)
@@ -321,7 +321,7 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor, cl
     clamp: optional bound c, as in `swiglu`: min(gate, c), clamp(up, -c, c). backend "triton" fuses the
     activation into the grouped GEMM, so the [M, 2F] pre-activation is never stored.
     """
-    _check_grouped_args(x, w13, offsets)
+    check_grouped_args(x, w13, offsets)
     if w13.shape[2] % 2:
         raise ValueError(f"w13: last dim must be even (gate | up halves), got shape {tuple(w13.shape)}")
     if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp > 0):
@@ -335,6 +335,6 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor, cl
 
 def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Twin of `grouped_matmul`: one plain matmul per expert slice."""
-    _check_grouped_args(x, w, offsets)
+    check_grouped_args(x, w, offsets)
     starts = [0] + offsets.tolist()[:-1]
     return torch.cat([x[start:end] @ w[e] for e, (start, end) in enumerate(zip(starts, offsets.tolist()))])

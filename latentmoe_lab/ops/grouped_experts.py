@@ -1,0 +1,132 @@
+"""Routed SwiGLU experts on CPU, forward and backward through torch._grouped_mm (docs/design.md §1.2).
+
+The rows of E experts arrive expert-major (z [M, l], counts [E]). torch._grouped_mm multiplies each expert's
+slice of rows by its own weight in one call (on CPU a C++ loop of exact-size GEMMs: no padding, no
+per-expert Python), but has no CPU backward; this module gives it one, written out with the SwiGLU fused:
+
+    pre  = z W13                 [M, 2F], gate | up halves (group e: rows of expert e times w13[e])
+    act  = silu(min(gate, c)) * clamp(up, -c, c)
+    y    = act W2                [M, l]
+
+    dact = dy W2^T               dW2 = act^T dy   (2-D x 2-D grouped product: one [F, l] block per expert)
+    dgate, dup from dact, the SwiGLU derivative with the clamp's pass-through masks, into one [M, 2F] buffer
+    dW13 = z^T [dgate | dup]     dz  = [dgate | dup] W13^T
+
+so a step is 3 grouped GEMMs forward, 4 backward, and one elementwise pass each way; nothing is gathered,
+padded or concatenated per expert. Rows go in tiles of ops.routing.CPU_TILE_ROWS so the [rows, 2F]
+pre-activation stays in cache (and below glibc's mmap threshold), the weight gradients summed over tiles.
+
+The plain twin is `ops.routing.grouped_matmul_reference` + `swiglu` per expert (LatentExperts.forward_reference);
+tests/test_moe_fast.py compares outputs and gradients on ragged routing.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from latentmoe_lab.ops import routing
+
+
+def fits(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """This path applies: plain CPU tensors (no DTensor), fp32 / bf16 of one dtype, rows of 16-byte multiples
+    (torch._grouped_mm's rule)."""
+    plain = all(isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor" for t in (z, w13, w2))
+    return (plain and z.device.type == "cpu" and hasattr(torch, "_grouped_mm") and z.dtype in (torch.float32, torch.bfloat16)
+            and z.dtype == w13.dtype == w2.dtype
+            and all(size * z.element_size() % 16 == 0 for size in (w13.shape[1], w13.shape[2], w2.shape[1])))
+
+
+def _activation(pre: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    """pre [r, 2F] (gate | up) -> silu(min(gate, c)) * clamp(up, -c, c) [r, F] (ops.routing.swiglu's form)."""
+    gate, up = pre.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    return F.silu(gate).mul_(up)
+
+
+def _activation_backward(pre: torch.Tensor, grad_act: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    """d act / d pre: pre [r, 2F], grad_act [r, F] (consumed) -> grad_pre [r, 2F] (gate | up halves)."""
+    inter = grad_act.shape[1]
+    gate, up = pre[:, :inter], pre[:, inter:]
+    clamped_gate, clamped_up = (gate, up) if clamp is None else (gate.clamp(max=clamp), up.clamp(-clamp, clamp))
+    sig = torch.sigmoid(clamped_gate)
+    silu = clamped_gate * sig
+    grad_pre = torch.empty_like(pre)
+    torch.mul(grad_act, silu, out=grad_pre[:, inter:])
+    silu.mul_(sig.neg().add_(1)).add_(sig)  # silu'(g) = sig + g sig (1 - sig)
+    torch.mul(grad_act.mul_(clamped_up), silu, out=grad_pre[:, :inter])
+    if clamp is not None:  # torch.clamp passes the gradient where its input lies within the bounds
+        grad_pre[:, :inter].masked_fill_(gate > clamp, 0.0)
+        grad_pre[:, inter:].masked_fill_(up.abs() > clamp, 0.0)
+    return grad_pre
+
+
+def expert_tiles(counts: list[int], tile_rows: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive expert ranges of at most tile_rows rows (an expert with more is a tile of its own):
+    (first expert, stop expert, first row, rows) per tile, at least one. counts: rows per expert (host ints)."""
+    tiles, first, row, rows = [], 0, 0, 0
+    for expert, count in enumerate(counts):
+        if expert > first and rows + count > tile_rows:
+            tiles.append((first, expert, row, rows))
+            first, row, rows = expert, row + rows, 0
+        rows += count
+    tiles.append((first, len(counts), row, rows))
+    return tiles
+
+
+class _GroupedSwiGLUExperts(torch.autograd.Function):
+    """z [M, l] expert-major, w13 [E, l, 2F], w2 [E, F, l] -> [M, l]; tiles from `expert_tiles`, offsets [E]
+    int32 end offsets of each expert's rows inside its tile. Tiles end at expert boundaries, so each weight
+    gradient block comes from one tile (no whole-weight partial sums to add up)."""
+
+    @staticmethod
+    def forward(ctx, z, w13, w2, offsets, tiles, clamp):
+        pieces, saved = [], []
+        for first, stop, row, rows in tiles:
+            offs = offsets[first:stop]
+            pre = torch._grouped_mm(z[row:row + rows], w13[first:stop], offs=offs)
+            pieces.append(torch._grouped_mm(_activation(pre, clamp), w2[first:stop], offs=offs))
+            saved.append(pre)
+        ctx.save_for_backward(z, w13, w2, offsets, *saved)
+        ctx.tiles, ctx.clamp = tiles, clamp
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        z, w13, w2, offsets, *saved = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_z, grad_w13, grad_w2 = [], [], []
+        for (first, stop, row, rows), pre in zip(ctx.tiles, saved):
+            offs, grad_y_tile, tile_w13, tile_w2 = offsets[first:stop], grad_y[row:row + rows], w13[first:stop], w2[first:stop]
+            grad_pre = _activation_backward(pre, torch._grouped_mm(grad_y_tile, tile_w2.transpose(1, 2), offs=offs),
+                                            ctx.clamp)
+            grad_w2.append(torch._grouped_mm(_activation(pre, ctx.clamp).t(), grad_y_tile, offs=offs))
+            grad_w13.append(torch._grouped_mm(z[row:row + rows].t(), grad_pre, offs=offs))
+            grad_z.append(torch._grouped_mm(grad_pre, tile_w13.transpose(1, 2), offs=offs))
+        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+        return join(grad_z), join(grad_w13), join(grad_w2), None, None, None
+
+
+def grouped_swiglu_experts(z: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                           clamp: float | None = None) -> torch.Tensor:
+    """Expert_e(z_r) for every expert-major row: z [M, l], counts [E] int, w13 [E, l, 2F], w2 [E, F, l] -> [M, l].
+
+    Rows counts[:e].sum() : counts[:e+1].sum() go to expert e (the LatentExperts contract). Needs `fits`.
+    """
+    if z.dim() != 2 or w13.dim() != 3 or w13.shape[1] != z.shape[1] or w13.shape[2] % 2:
+        raise ValueError(f"z, w13: expected z [M, l] and w13 [E, l, 2F], got {tuple(z.shape)} and {tuple(w13.shape)}")
+    if w2.dim() != 3 or tuple(w2.shape) != (w13.shape[0], w13.shape[2] // 2, z.shape[1]):
+        raise ValueError(f"w2: expected shape [E={w13.shape[0]}, F={w13.shape[2] // 2}, l={z.shape[1]}], "
+                         f"got {tuple(w2.shape)}")
+    if not fits(z, w13, w2):
+        raise ValueError("z: grouped_swiglu_experts needs CPU fp32/bf16 tensors of one dtype and rows of 16-byte "
+                         "multiples (see fits)")
+    routing.check_grouped_args(z, w13, counts.cumsum(0))
+    host_counts = counts.tolist()
+    tiles = expert_tiles(host_counts, routing.CPU_TILE_ROWS)
+    # each expert's end offset inside its tile
+    offsets = torch.tensor([end for first, stop, _, _ in tiles for end in accumulate(host_counts[first:stop])],
+                           dtype=torch.int32)
+    return _GroupedSwiGLUExperts.apply(z, w13, w2, offsets, tiles, clamp)
