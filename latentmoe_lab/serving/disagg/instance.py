@@ -27,6 +27,7 @@ InstanceFaults are the tests' fault injection (never set from a service file).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ def run_instance(spec: InstanceSpec, sock) -> None:
     """The body of an instance process (module level, so the forkserver can start it)."""
     from latentmoe_lab.serving import Engine
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the server's: it stops us
     torch.set_num_threads(spec.config.parallel.forward_threads or 1)
     channel = Channel(sock)
     try:
