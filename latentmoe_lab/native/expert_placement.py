@@ -12,7 +12,8 @@ own rank when there is one, else spread over the replicas (eplb_serving.choose_r
 On disk the stacks stay logical [E, ...] (what save_pretrained, export and any other layout read), so a
 checkpoint saved under one placement loads under another, or into one plain process. The mapping is
 an All-to-All over ep (`move_rows`): to disk, each logical expert from its first replica; from disk,
-each slot from its expert. No rank ever holds more than its own share of a stack.
+each slot from its expert. No rank holds more than its ep block of a stack (under FSDP2 the dp_shard
+pieces of that block are gathered for the move, and cut again after it).
 
 Training takes permutations only (P = E): a replicated expert's gradient would have to be summed over
 its replicas, and the replicas kept identical through the optimizer; NativeTrainer refuses replicas.
@@ -20,6 +21,7 @@ its replicas, and the replicas kept identical through the optimizer; NativeTrain
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -59,7 +61,7 @@ def placed_layers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def has_replicas(module: nn.Module) -> bool:
-    return any(len(row) > int(row.max()) + 1 for row in placed_layers(module).values())
+    return any(len(row) > len(row.unique()) for row in placed_layers(module).values())
 
 
 def pair_destinations(indices: torch.Tensor, num_experts: int, ep: int, phy2log: torch.Tensor | None = None
@@ -108,10 +110,6 @@ def move_rows(block: torch.Tensor, source: torch.Tensor, num_in_rows: int, group
     row i is input row source[i]. Returns this rank's block [num_out_rows / R, ...] of the output stack.
     One All-to-All: rows go straight from the rank that holds them to the rank that needs them.
     """
-    import torch.distributed as dist
-
-    from latentmoe_lab.native.expert import _all_to_all
-
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     source = source.to(torch.int64).cpu()
     in_per, out_per = num_in_rows // ranks, len(source) // ranks
@@ -122,7 +120,8 @@ def move_rows(block: torch.Tensor, source: torch.Tensor, num_in_rows: int, group
     wanted = owner[me * out_per:(me + 1) * out_per]
     recv_counts = torch.bincount(wanted, minlength=ranks).tolist()
     rows = block[(source[mine] - me * in_per).to(block.device)]
-    received = _all_to_all(rows, send_counts, recv_counts, group)  # grouped by sender, ascending within
+    received = rows.new_empty(sum(recv_counts), *rows.shape[1:])  # grouped by sender, ascending within
+    dist.all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=group)
     out = torch.empty_like(received)
     out[torch.argsort(wanted, stable=True).to(block.device)] = received
     return out
