@@ -1,0 +1,107 @@
+"""Speculative decoding: output tokens/s with drafts (ngram, mtp) over without, in one process (docs/design.md §12).
+
+For each torch thread count and batch size (max_num_seqs), the same greedy requests run through an Engine
+without a speculative section and with each method; every spec run's tokens must equal the baseline's
+(greedy speculation is exact). Reported: output tokens/s end to end (prefill included), the ratio over the
+baseline, the mean accepted length (tokens per verify step: accepted drafts + 1) and the acceptance rate per
+draft position.
+
+    python benchmarks/bench_spec.py --checkpoint DIR     a save_pretrained model with an MTP head (train it
+                                                          with --mtp-depth 1, export with trained_model export)
+    python benchmarks/bench_spec.py --random mini        the same model shape with random weights
+    python benchmarks/bench_spec.py --quick              a smoke run: tiny random model, few tokens
+
+Prompts: the first --prompt-bytes bytes of the first 16 held-out files of the training corpus (the stdlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
+from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.training.corpus import load_corpus, stdlib_root
+
+
+def code_prompts(count: int, prompt_bytes: int) -> list[list[int]]:
+    """The first prompt_bytes bytes (byte tokens) of the first `count` held-out corpus files."""
+    corpus = load_corpus(verbose=False)
+    prompts = []
+    for relative in corpus.held_out_files[:count]:
+        text = f"# file: {relative}\n" + (stdlib_root() / relative).read_bytes().decode("utf-8", errors="replace")
+        prompts.append(list(text.encode("utf-8")[:prompt_bytes]))
+    return prompts
+
+
+def service(method: str | None, k: int, batch: int, max_model_len: int) -> ServiceConfig:
+    spec = None if method is None else {"method": method, "num_speculative_tokens": k}
+    return ServiceConfig.from_dict({"model": {"max_model_len": max_model_len},
+                                    "memory": {"cache_bytes": 64 << 20, "block_size": 64, "max_num_seqs": batch},
+                                    "scheduler": {"prefill_chunk_size": 512}, "speculative": spec})
+
+
+def run(model, prompts, method, k, batch, new_tokens) -> dict:
+    engine = Engine(model, service(method, k, batch, len(max(prompts, key=len)) + new_tokens + 8))
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = engine.stats()
+    generated = sum(len(o.token_ids) for o in outputs)
+    return {"tokens": [o.token_ids for o in outputs], "tok_s": generated / seconds, "seconds": seconds,
+            "mean_accepted_length": stats["spec_mean_accepted_length"],
+            "acceptance_per_position": [round(r, 3) for r in stats["spec_acceptance_rate_per_position"]]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", help="save_pretrained directory of a model (with an MTP head for mtp)")
+    parser.add_argument("--random", default=None, help="preset of a random-weight model (with mtp_depth 1)")
+    parser.add_argument("--quick", action="store_true", help="tiny random model, 4 prompts, 16 tokens")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-bytes", type=int, default=384)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    if args.quick:
+        args.random, args.new_tokens, args.prompts, args.batches, args.threads = "tiny", 16, 4, [1, 4], [1]
+    if args.checkpoint:
+        model = LatentMoEForCausalLM.from_pretrained(args.checkpoint).float().eval()
+        label = f"checkpoint {args.checkpoint}"
+    else:
+        torch.manual_seed(0)
+        model = LatentMoEForCausalLM(ModelConfig.from_preset(args.random or "mini").replace(mtp_depth=1)).eval()
+        label = f"random {args.random or 'mini'}"
+    methods = ["ngram"] + (["mtp"] if model.config.mtp_depth > 0 else [])
+    prompts = code_prompts(args.prompts, args.prompt_bytes)
+    rows = []
+    print(f"{label}: {len(prompts)} prompts of {args.prompt_bytes} bytes, {args.new_tokens} new tokens, K={args.k}")
+    print(f"{'threads':>7} {'batch':>5} {'method':>6} {'tok/s':>8} {'ratio':>6} {'accepted len':>12}  per position")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batches:
+            base = run(model, prompts, None, args.k, batch, args.new_tokens)
+            print(f"{threads:>7} {batch:>5} {'off':>6} {base['tok_s']:>8.1f} {1.0:>6.2f}")
+            for method in methods:
+                spec = run(model, prompts, method, args.k, batch, args.new_tokens)
+                if spec["tokens"] != base["tokens"]:
+                    raise SystemExit(f"{method}: greedy tokens differ from the run without speculation")
+                ratio = spec["tok_s"] / base["tok_s"]
+                print(f"{threads:>7} {batch:>5} {method:>6} {spec['tok_s']:>8.1f} {ratio:>6.2f} "
+                      f"{spec['mean_accepted_length']:>12.2f}  {spec['acceptance_per_position']}")
+                rows.append({"model": label, "threads": threads, "batch": batch, "method": method,
+                             "tok_s": spec["tok_s"], "baseline_tok_s": base["tok_s"], "ratio": ratio,
+                             "mean_accepted_length": spec["mean_accepted_length"],
+                             "acceptance_per_position": spec["acceptance_per_position"]})
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
