@@ -2,8 +2,8 @@
 
 The placement is rebalance_experts' phy2log, the one the hand-written layout takes. Checked here, on the
 tiny preset (3 MoE layers x 8 experts) over gloo processes on 127.0.0.1:
-- a permutation placement trains EP2, FSDP2xEP2 and EP2xTP2 like one process (logits and parameters after
-  2 AdamW steps, fp64; the last two on 4 processes);
+- a permutation placement trains EP2, FSDP2xEP2, EP2xTP2 and PP2xEP2 like one process (logits and
+  parameters after 2 AdamW steps, fp64; the last three on 4 processes, each stage its own placement rows);
 - with replicas, the forward equals one process and the hand-written layout on the same placement, and
   the trainer refuses it (ValueError naming `placement`);
 - a checkpoint saved under one placement loads under another (with or without replicas) and into one
@@ -47,7 +47,7 @@ def test_the_placements_move_experts_across_ranks():
 
 
 TRAINED_LAYOUTS = {"EP2": NativeLayout(ep=2), "FSDP2xEP2": NativeLayout(dp_shard=2, ep=2),
-                   "EP2xTP2": NativeLayout(ep=2, tp=2)}
+                   "EP2xTP2": NativeLayout(ep=2, tp=2), "PP2xEP2": NativeLayout(pp=2, ep=2)}
 
 
 @pytest.fixture(scope="module")
