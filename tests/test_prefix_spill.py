@@ -20,10 +20,10 @@ PARAMS = SamplingParams(max_tokens=3)
 BLOCK = 64
 
 
-def service(model, prefix_cache=None, prefix=True) -> ServiceConfig:
+def service(model, prefix_cache=None, prefix=True, kv_cache_dtype="auto") -> ServiceConfig:
     data = {"model": {"max_model_len": 512},
             "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
-                       "prefix_snapshot_slots": 2 if prefix else 0},
+                       "prefix_snapshot_slots": 2 if prefix else 0, "kv_cache_dtype": kv_cache_dtype},
             "scheduler": {"prefill_chunk_size": 512, "batch_invariant": True, "max_batch_size": 4}}
     if prefix_cache is not None:
         data["prefix_cache"] = prefix_cache
@@ -158,6 +158,16 @@ def test_another_models_spill_is_never_served(model, prompts, tmp_path, written)
     engine = Engine(other, service(other, {"disk_dir": str(tmp_path)}))
     assert_same(serve(engine, prompts), other_fresh)
     assert engine.stats()["prefix_hits_refused"] >= 3
+
+
+def test_an_fp8_cache_spills_its_codes_under_its_own_key(model, prompts, tmp_path, written):
+    fresh_fp8 = serve(Engine(model, service(model, prefix=False, kv_cache_dtype="fp8")), prompts)
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}, kv_cache_dtype="fp8"))
+    assert engine.block_manager.disk.directory != written  # the fp32 cache's files are another key's
+    assert engine.block_manager.expected["rows"]["layer3.latent"][0] == torch.uint8  # fp8 codes, not values
+    assert_same(serve(engine, prompts), fresh_fp8)
+    stats = engine.stats()
+    assert stats["prefix_hits_disk"] == 3 and stats["prefix_hits_refused"] == 0
 
 
 def test_a_directory_of_another_key_or_unwritable_is_an_error_at_start(model, tmp_path, written):
