@@ -206,31 +206,32 @@ class WorkerGroup:
         return (torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), [seconds[r] for r in ranks],
                 [loads[r] for r in ranks])
 
-    def read_rows(self, positions: list[int], slot: int) -> list[dict[str, torch.Tensor]]:
-        """Every rank's rows of one request (flat positions, KDA slot; serving/disagg/), in rank order:
-        {name: tensor} as parallel_worker.rows_message sends them. WorkerGroupError on any failure."""
+    def exchange_rows(self, header: dict) -> list[dict[str, torch.Tensor]]:
+        """A "read_rows" or "write_rows" message of a prefill -> decode transfer (parallel_worker.exchange_rows)
+        -> every rank's answer {name: tensor} in rank order (empty for a write). WorkerGroupError on any failure."""
+        from latentmoe_lab.serving.disagg.pool_rows import rows_from_wire
+
         if not self.conns:
             raise self._failure("the group was killed after an earlier failure")
         try:
-            self.conns[0].send(({"kind": "read_rows", "positions": positions, "slot": slot}, None, None))
+            self.conns[0].send((header, None, None))
         except OSError as error:
-            raise self._failure(f"rank 0 cannot take the read ({error})") from None
+            raise self._failure(f"rank 0 cannot take the {header['kind']} ({error})") from None
         deadline = time.monotonic() + self.pconfig.timeout_s
         rows: dict[int, dict] = {}
         while len(rows) < len(self.conns):
             ready = wait(self.conns + [p.sentinel for p in self.processes],
                          timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise self._failure(f"no rows within the group timeout ({self.pconfig.timeout_s}s)")
+                raise self._failure(f"no answer to {header['kind']} within the group timeout ({self.pconfig.timeout_s}s)")
             for rank, conn in enumerate(self.conns):
                 if conn in ready:
                     reply = self._receive(rank)
                     if reply is None or reply[0] != "rows":
-                        raise self._failure(f"rank {rank} failed to read the rows", reply)
-                    rows[rank] = {name: torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
-                                  for name, (raw, dtype, shape) in reply[1].items()}
+                        raise self._failure(f"rank {rank} failed {header['kind']}", reply)
+                    rows[rank] = rows_from_wire(reply[1])
             if any(p.sentinel in ready for p in self.processes):
-                raise self._failure("a rank died while reading the rows")
+                raise self._failure(f"a rank died during {header['kind']}")
         return [rows[rank] for rank in range(len(self.conns))]
 
     def _receive(self, rank: int):
@@ -317,6 +318,19 @@ class ParallelRunner(ModelRunner):
 
     def copy_slot(self, src: int, dst: int) -> None:
         self._copies.append((src, dst))
+
+    def read_rows(self, positions: list[int], slot: int) -> list[dict[str, torch.Tensor]]:
+        """Every rank's rows of one request (flat positions, KDA slot; serving/disagg/), in rank order."""
+        return self.group.exchange_rows({"kind": "read_rows", "positions": positions, "slot": slot})
+
+    def write_rows(self, positions: list[int], slot: int, shares: list[dict[str, torch.Tensor]]) -> None:
+        """Store each rank's share of one request's rows (shares in rank order), after the queued slot copies."""
+        from latentmoe_lab.serving.disagg.pool_rows import rows_to_wire
+
+        header = {"kind": "write_rows", "positions": positions, "slot": slot, "copies": self._copies,
+                  "shares": [rows_to_wire(share) for share in shares]}
+        self._copies = []
+        self.group.exchange_rows(header)
 
     def unavailable_workers(self) -> list[str]:
         """Ranks whose process has exited or is stopped (SIGSTOP): a server's /health reports them."""

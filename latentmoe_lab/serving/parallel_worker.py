@@ -212,14 +212,20 @@ def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: Mode
     dist.destroy_process_group()
 
 
-def rows_message(pools, positions: list[int], slot: int) -> dict[str, tuple]:
-    """This rank's rows of one request (serving/disagg/pool_rows.py) as name -> (uint8 numpy, dtype, shape):
-    numpy has no bf16, so every tensor travels as its bytes."""
-    from latentmoe_lab.serving.disagg.pool_rows import read_request_rows
+def exchange_rows(pools, rank: int, header: dict) -> dict[str, tuple]:
+    """A prefill -> decode transfer's rows of one request (serving/disagg/): "read_rows" -> this rank's rows;
+    "write_rows" -> the step's queued KDA slot copies first (a snapshot copy must not read the new rows),
+    then this rank's share stored; -> {}. Rows travel as disagg.pool_rows.rows_to_wire tuples."""
+    from latentmoe_lab.serving.disagg.pool_rows import (read_request_rows, rows_from_wire, rows_to_wire,
+                                                        write_request_rows)
 
-    rows = read_request_rows(pools, torch.tensor(positions, dtype=torch.int64), slot)
-    return {name: (t.contiguous().view(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."),
-                   tuple(t.shape)) for name, t in rows.items()}
+    positions = torch.tensor(header["positions"], dtype=torch.int64)
+    if header["kind"] == "read_rows":
+        return rows_to_wire(read_request_rows(pools, positions, header["slot"]))
+    for src, dst in header["copies"]:
+        pools.copy_slot(src, dst)
+    write_request_rows(pools, positions, header["slot"], rows_from_wire(header["shares"][rank]))
+    return {}
 
 
 def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_s: float) -> None:
@@ -238,8 +244,8 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
             return
         if header["kind"] == "ping":
             continue
-        if header["kind"] == "read_rows":  # a request's rows for a prefill -> decode transfer (serving/disagg/)
-            conn.send(("rows", rows_message(pools, header["positions"], header["slot"])))
+        if header["kind"] in ("read_rows", "write_rows"):  # a prefill -> decode transfer (serving/disagg/)
+            conn.send(("rows", exchange_rows(pools, rank, header)))
             continue
         for src, dst in header["copies"]:
             pools.copy_slot(src, dst)

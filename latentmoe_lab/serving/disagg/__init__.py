@@ -3,7 +3,7 @@
     request_cache.py   RequestCache (the transfer set), CacheIdentity, check_compatible
     pool_rows.py       a request's pool rows as stored bytes, read and written
     transfer.py        prefill_step / export_request / release_exported, import_request
-    tp_gather.py       the same rows gathered from tensor-parallel worker processes
+    tp_rows.py         the same rows gathered from / sliced for tensor-parallel worker processes
     wire.py            encode / decode with a SHA-256 per transfer
     transfer_bytes.py  bytes_per_request: the payload planned from the config
 """

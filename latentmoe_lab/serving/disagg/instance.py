@@ -147,13 +147,11 @@ class PrefillLoop(_Loop):
     def __init__(self, engine, channel, faults):
         super().__init__(engine, channel, faults)
         self.sent = 0
-        self.stalled = False
 
     def command(self, header: tuple, _payload: bytes) -> None:
         from latentmoe_lab.serving.disagg import export_request, release_exported
 
         kind, key = header[0], header[1]
-        self.stalled = False
         if kind == "add":
             try:
                 request_id = self.engine.add_request(header[2], header[3])
@@ -179,19 +177,15 @@ class PrefillLoop(_Loop):
                 self.send_payload(key, export_request(self.engine, request_id))
 
     def busy(self) -> bool:
-        return self.engine.has_unfinished() and not self.stalled
+        from latentmoe_lab.serving.disagg.transfer import waiting_for_ack
+
+        # held transfers keep the room a waiting request needs: sleep on the channel until an ack comes
+        return self.engine.has_unfinished() and not waiting_for_ack(self.engine)
 
     def step(self) -> None:
         from latentmoe_lab.serving.disagg import prefill_step
 
-        try:
-            outputs, caches = prefill_step(self.engine)  # settles a StepError itself
-        except RuntimeError:
-            if not _held(self.engine):
-                raise
-            # the held transfers fill the cache and no waiting request fits: wait for the decode side's acks
-            self.stalled = True
-            return
+        outputs, caches = prefill_step(self.engine)  # settles a StepError itself
         self.deliver(outputs)
         for cache in caches:
             self.send_payload(self.keys[cache.request_id], cache)

@@ -110,3 +110,15 @@ def flat_positions(block_table: list[int], block_size: int, num_tokens: int) -> 
     positions = torch.arange(num_tokens)
     blocks = torch.tensor(block_table, dtype=torch.int64)
     return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def rows_to_wire(rows: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """Rows as name -> (uint8 numpy, dtype name, shape), for a pipe between processes (numpy has no bf16)."""
+    return {name: (t.contiguous().view(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."),
+                   tuple(t.shape)) for name, t in rows.items()}
+
+
+def rows_from_wire(wire: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The inverse of rows_to_wire."""
+    return {name: torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+            for name, (raw, dtype, shape) in wire.items()}

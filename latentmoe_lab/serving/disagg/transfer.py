@@ -23,6 +23,7 @@ import torch
 
 from latentmoe_lab.serving.disagg.pool_rows import flat_positions, read_request_rows, write_request_rows
 from latentmoe_lab.serving.disagg.request_cache import RequestCache, check_compatible, engine_identity
+from latentmoe_lab.serving.disagg.tp_rows import read_rows_from_workers, write_rows_to_workers
 from latentmoe_lab.serving.failures import StepError
 from latentmoe_lab.serving.sequence import Sequence, Status
 from latentmoe_lab.serving.spec.slots import acquire_slots, release_slots
@@ -77,7 +78,7 @@ def export_request(engine, request_id: int) -> RequestCache:
             raise ValueError(f"request_id: request {request_id}'s cache was lost when the worker group restarted; "
                              f"release it and recompute the request")
     else:
-        seq = engine._sequences.get(request_id)  # read only: detach() below takes it out
+        seq = engine._sequences.get(request_id)  # read only: engine.detach() takes it out
         if seq is None or seq.status is not Status.RUNNING:
             raise ValueError(f"request_id: no running request {request_id} on this engine")
         if seq.num_computed != len(seq.prompt_ids) or len(seq.generated_ids) != 1:
@@ -87,8 +88,9 @@ def export_request(engine, request_id: int) -> RequestCache:
         if seq.images is not None:
             raise ValueError(f"request_id: request {request_id} has images; a transfer carries text prompts only "
                              f"(the decode side could not recompute it after a preemption)")
+    rows = _read_rows(engine, seq)  # before detaching: a worker group lost here recomputes the request
+    if request_id not in held:
         held[request_id] = (engine.detach(request_id), engine.block_manager)
-    rows = _read_rows(engine, seq)
     return RequestCache(request_id, list(seq.prompt_ids), seq.token_ids[-1], seq.params, seq.max_tokens,
                         engine_identity(engine), seq.generator.get_state(), logprobs=list(seq.logprobs),
                         prompt_logprobs=list(seq.prompt_logprobs), **rows)
@@ -129,9 +131,6 @@ def import_request(engine, cache: RequestCache) -> int:
         raise TypeError(f"cache: expected a RequestCache, got {type(cache).__name__}")
     check_compatible(engine_identity(engine), cache.identity)
     cache.check(engine.model_config)
-    if engine.pools is None:
-        raise ValueError("parallel: a decode engine with worker processes cannot import yet (its pools live in "
-                         "the workers); run the decode instance with tensor_parallel_size 1 in this process")
     limit, n = engine.config.model.max_model_len, cache.num_tokens
     if n + 1 >= limit:
         raise ValueError(f"model.max_model_len: ({limit}) leaves no room to decode after {n} prompt tokens "
@@ -148,7 +147,17 @@ def import_request(engine, cache: RequestCache) -> int:
         raise NoRoomError(f"no room: {blocks_needed} blocks needed, {manager.num_free_blocks} free; "
                           f"{slots_needed} KDA slots needed, {len(manager.free_slots)} free")
     (slot, *spares), blocks = acquire_slots(manager, slots_needed), manager.allocate_blocks(blocks_needed)
-    write_request_rows(engine.pools, flat_positions(blocks, manager.block_size, n), slot, cache.tensors())
+    positions = flat_positions(blocks, manager.block_size, n)
+    try:
+        if engine.pools is not None:
+            write_request_rows(engine.pools, positions, slot, cache.tensors())
+        else:  # the pools live in worker processes: each rank gets its layers and heads
+            write_rows_to_workers(engine, positions, slot, cache.tensors())
+    except BaseException:  # a worker group lost mid-write (WorkerGroupError): nothing stays held
+        manager.release_blocks(blocks)
+        for held_slot in (slot, *spares):
+            manager.release_slot(held_slot)
+        raise
 
     def make_sequence(request_id: int) -> Sequence:
         seq = Sequence(request_id, list(cache.prompt_ids), cache.params, max_tokens=max_tokens)
@@ -169,6 +178,4 @@ def _read_rows(engine, seq: Sequence) -> dict[str, torch.Tensor]:
     positions = flat_positions(seq.block_table, engine.block_manager.block_size, seq.num_computed)
     if engine.pools is not None:
         return read_request_rows(engine.pools, positions, seq.slot)
-    from latentmoe_lab.serving.disagg.tp_gather import read_rows_from_workers
-
     return read_rows_from_workers(engine, positions, seq.slot)

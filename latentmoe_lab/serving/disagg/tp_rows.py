@@ -1,0 +1,84 @@
+"""A request's rows in a parallel engine's worker processes: gathered into, and sliced from, the whole-model
+layout a transfer carries (docs/design.md §13.1).
+
+How serving ranks hold the pools (parallel_worker.py, parallel/tensor.py): a pipeline stage's ranks hold
+its layers only; within a stage, tensor-parallel rank t holds KDA heads [t*H/tp, (t+1)*H/tp) of every
+KDA layer, and every rank holds the whole DSA latent and indexer rows (they are replicated). So:
+
+    DSA rows     taken from the stage's tp rank 0 (the other ranks' copies must be byte-identical);
+                 every rank of the stage gets all of them
+    KDA state    [L, H/tp, d_k, d_v] per rank <-> concatenated along the heads [L, H, d_k, d_v]
+    KDA conv     [L, (H/tp) * (2 d_k + d_v), K-1] per rank, channels q | k | v of its heads each <->
+                 the q parts of all ranks, then the k parts, then the v parts [L, H * (2 d_k + d_v), K-1]
+    stages       their layers concatenated in order
+
+Expert-parallel ranks hold whole attention heads and replicated pools: ep index 0 is read, all are written.
+"""
+from __future__ import annotations
+
+import torch
+
+from latentmoe_lab.config import DSA
+from latentmoe_lab.parallel.mesh import coords_rank, rank_coords
+
+
+def read_rows_from_workers(engine, positions: torch.Tensor, slot: int) -> dict[str, torch.Tensor]:
+    """The rows read_request_rows gives in one process, gathered from engine.runner's worker group."""
+    runner = engine.runner
+    pconfig, kda = runner.pconfig, engine.model_config.kda
+    ranks = runner.read_rows(positions.tolist(), slot)
+    stages = []
+    for stage in range(pconfig.pp):
+        members = [ranks[coords_rank(pconfig, {"pp": stage, "tp": t})] for t in range(pconfig.tp)]
+        stages.append(gather_heads(members, kda.head_dim_k, kda.head_dim_v))
+    return {name: torch.cat([stage[name] for stage in stages]) for name in stages[0]}
+
+
+def write_rows_to_workers(engine, positions: torch.Tensor, slot: int, rows: dict[str, torch.Tensor]) -> None:
+    """Store whole-model rows into engine.runner's workers: each rank its stage's layers and its heads."""
+    runner = engine.runner
+    pconfig, config = runner.pconfig, engine.model_config
+    shares = []
+    for rank in range(pconfig.world_size):
+        coords = rank_coords(pconfig, rank)
+        layers = engine.stages[coords["pp"]].layers
+        before = config.layer_types[:layers.start]
+        inside = config.layer_types[layers.start:layers.stop]
+        dsa = slice(before.count(DSA), before.count(DSA) + inside.count(DSA))
+        kda = slice(len(before) - before.count(DSA), len(before) - before.count(DSA) + len(inside) - inside.count(DSA))
+        stage = {"dsa_latent": rows["dsa_latent"][dsa], "dsa_index": rows["dsa_index"][dsa],
+                 "kda_state": rows["kda_state"][kda], "kda_conv": rows["kda_conv"][kda]}
+        shares.append(slice_heads(stage, coords["tp"], pconfig.tp, config.kda.head_dim_k, config.kda.head_dim_v))
+    runner.write_rows(positions.tolist(), slot, shares)
+
+
+def _conv_widths(heads: int, head_dim_k: int, head_dim_v: int) -> list[int]:
+    return [heads * head_dim_k, heads * head_dim_k, heads * head_dim_v]
+
+
+def gather_heads(members: list[dict[str, torch.Tensor]], head_dim_k: int, head_dim_v: int) -> dict[str, torch.Tensor]:
+    """One stage's tp ranks' rows (tp order) -> the stage's rows with whole heads."""
+    first = members[0]
+    for index, member in enumerate(members[1:], start=1):
+        for name in ("dsa_latent", "dsa_index"):
+            if not torch.equal(member[name], first[name]):
+                raise RuntimeError(f"{name}: tp rank {index} holds other rows than tp rank 0 (they are replicated)")
+    widths = _conv_widths(first["kda_state"].shape[1], head_dim_k, head_dim_v)
+    conv_parts = [member["kda_conv"].split(widths, dim=1) for member in members]  # per rank: (q, k, v)
+    conv = torch.cat([torch.cat([parts[p] for parts in conv_parts], dim=1) for p in range(3)], dim=1)
+    return {"dsa_latent": first["dsa_latent"], "dsa_index": first["dsa_index"],
+            "kda_state": torch.cat([member["kda_state"] for member in members], dim=1), "kda_conv": conv}
+
+
+def slice_heads(rows: dict[str, torch.Tensor], index: int, parts: int, head_dim_k: int,
+                head_dim_v: int) -> dict[str, torch.Tensor]:
+    """A stage's whole-head rows -> tp rank `index` of `parts`'s share (the inverse of gather_heads)."""
+    heads = rows["kda_state"].shape[1]
+    if heads % parts:
+        raise ValueError(f"parallel.tensor_parallel_size: ({parts}) must divide the KDA heads ({heads})")
+    local = heads // parts
+    own = [part.chunk(parts, dim=1)[index] for part in rows["kda_conv"].split(_conv_widths(heads, head_dim_k,
+                                                                                          head_dim_v), dim=1)]
+    return {"dsa_latent": rows["dsa_latent"], "dsa_index": rows["dsa_index"],
+            "kda_state": rows["kda_state"][:, index * local:(index + 1) * local].contiguous(),
+            "kda_conv": torch.cat(own, dim=1).contiguous()}
