@@ -71,6 +71,7 @@ class DiskTier:
                 found.append((stat.st_mtime_ns, parsed, stat.st_size))
         for _, parsed, size in sorted(found, key=lambda item: item[0]):
             self.files[parsed] = size
+        self.nbytes = sum(self.files.values())  # kept up to date by put and discard
         self.bytes_written = 0
         self.write_errors = 0
         self.bytes_read = 0
@@ -90,10 +91,6 @@ class DiskTier:
                                  f"engine's is {self.key[:32]}); its files are not served")
             return
         _write_atomically(manifest, json.dumps(wanted, indent=1, sort_keys=True).encode())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.files.values())
 
     def has(self, block_hash: bytes, kind: str) -> bool:
         return (block_hash, kind) in self.files
@@ -117,6 +114,7 @@ class DiskTier:
             return
         size = path.stat().st_size
         self.files[(block_hash, kind)] = size
+        self.nbytes += size
         self.bytes_written += size
         while self.max_bytes is not None and self.nbytes > self.max_bytes and self.files:
             self.discard(*next(iter(self.files)))
@@ -148,7 +146,7 @@ class DiskTier:
         return tensors
 
     def discard(self, block_hash: bytes, kind: str) -> None:
-        self.files.pop((block_hash, kind), None)
+        self.nbytes -= self.files.pop((block_hash, kind), 0)
         try:
             self._path(block_hash, kind).unlink()
         except FileNotFoundError:
