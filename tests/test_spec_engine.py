@@ -274,3 +274,19 @@ def test_the_forward_process_verifies_drafts_too(model, prompts, references):
         assert_drained(engine)
     finally:
         engine.close()
+
+
+def test_metrics_export_the_spec_counters_under_vllm_names(model, prompts, references):
+    from latentmoe_lab.server.prom import ServerMetrics
+
+    engine = engine_for(model, references, "oracle", k=3)
+    engine.generate([prompts[i] for i in (3, 7)], SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
+    stats, metrics = engine.stats(), ServerMetrics()
+    metrics.observe_engine(stats)
+    metrics.observe_engine(stats)  # counters add the engine's increments only
+    text = metrics.exposition().decode()
+    assert f"vllm:spec_decode_num_draft_tokens_total {float(stats['spec_draft_tokens'])}" in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total {float(stats['spec_accepted_tokens'])}" in text
+    for position, accepted in enumerate(stats["spec_accepted_per_position"]):
+        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{position}"}} {float(accepted)}' in text
+    assert stats["spec_accepted_tokens"] == sum(stats["spec_accepted_per_position"]) > 0

@@ -15,7 +15,7 @@ PREFIX = "latentmoe"
 # step_failed: engine rebuilt on the same weights; worker_died / worker_hung: weights reloaded too;
 # parallel_worker_lost: a parallel engine replaced its worker processes itself (Engine.stats()["worker_restarts"])
 RESTART_CAUSES = ("step_failed", "worker_died", "worker_hung", "parallel_worker_lost")
-ENGINE_COUNTS = ("preemptions", "prefix_hit_tokens", "worker_restarts")
+ENGINE_COUNTS = ("preemptions", "prefix_hit_tokens", "worker_restarts", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 class ServerMetrics:
@@ -74,6 +74,13 @@ class ServerMetrics:
                                    registry=r)
         self.spill_bytes = Counter(f"{p}_prefix_spill_bytes", "bytes the prefix-cache spill copied, by direction",
                                    ["direction"], registry=r)
+        # speculative decoding (docs/design.md §12), under vLLM's names: drafts verified, accepted, per position
+        self.spec_counts = {
+            "spec_draft_tokens": Counter("vllm:spec_decode_num_draft_tokens", "draft tokens verified", registry=r),
+            "spec_accepted_tokens": Counter("vllm:spec_decode_num_accepted_tokens", "draft tokens accepted",
+                                            registry=r)}
+        self.spec_per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "draft tokens accepted "
+                                         "at each draft position", ["position"], registry=r)
         self.engine_replaced()
 
     def observe_engine(self, stats: dict) -> None:
@@ -107,6 +114,16 @@ class ServerMetrics:
                     self.expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(
                         total - self._expert_tokens.get(key, 0))
                 self._expert_tokens[key] = total
+        for name, counter in self.spec_counts.items():
+            increment = stats.get(name, 0) - self._engine_counts[name]
+            if increment > 0:
+                counter.inc(increment)
+            self._engine_counts[name] = stats.get(name, 0)
+        for position, total in enumerate(stats.get("spec_accepted_per_position", [])):
+            seen = self._spec_per_position.get(position, 0)
+            if total > seen:
+                self.spec_per_position.labels(position=str(position)).inc(total - seen)
+            self._spec_per_position[position] = total
         moved = stats.get("eplb_bytes_moved", 0)
         if moved > self._engine_counts["eplb_bytes_moved"]:
             self.eplb_bytes_moved.inc(moved - self._engine_counts["eplb_bytes_moved"])
@@ -129,6 +146,7 @@ class ServerMetrics:
         """A fresh engine counts from zero again."""
         self._engine_counts = dict.fromkeys(ENGINE_COUNTS + ("eplb_bytes_moved",), 0)
         self._expert_tokens: dict[tuple[int, int], int] = {}
+        self._spec_per_position: dict[int, int] = {}
         self._rank_seconds: dict[str, list[float]] = {name: [] for name in self.rank_seconds}
 
     def observe_finished(self, reason: str, token_times: list[float], accepted: float, finished: float) -> None:
