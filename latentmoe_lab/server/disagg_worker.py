@@ -18,7 +18,8 @@ from latentmoe_lab.server.prom import LATENCY_BUCKETS, PREFIX, ServerMetrics
 from latentmoe_lab.server.settings import ServerSettings
 from latentmoe_lab.server.worker import Event
 from latentmoe_lab.serving import ServiceConfig
-from latentmoe_lab.serving.disagg.router import RequestEvent, Router
+from latentmoe_lab.serving.disagg.router import Router
+from latentmoe_lab.serving.disagg.router_request import RequestEvent
 
 INSTANCE_GAUGES = ("running", "waiting", "held", "blocks_used", "slots_used")
 

@@ -26,98 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 from latentmoe_lab.serving.config import ServiceConfig
-from latentmoe_lab.serving.disagg.instance import InstanceFaults, InstanceSpec, run_instance
-from latentmoe_lab.serving.disagg.service_channel import Channel
+from latentmoe_lab.serving.disagg.instance import InstanceFaults, InstanceSpec
+from latentmoe_lab.serving.disagg.instance_handle import Instance
+from latentmoe_lab.serving.disagg.router_request import RequestEvent, RoutedRequest
 from latentmoe_lab.serving.disagg.service_config import role_config
-from latentmoe_lab.serving.parallel_runner import _children_without_main
 from latentmoe_lab.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_RESENDS = 3
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class RequestEvent:
-    """What a request's deliver callback gets (the server's Event has the same fields)."""
-
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    source: tuple[str, str] | None = None  # (role, instance name) that made the tokens or the end
-
-
-@dataclass(eq=False)
-class RoutedRequest:
-    key: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    deliver: Callable[[RequestEvent], None]
-    accepted: float = field(default_factory=time.monotonic)
-    generated: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    prefill: "Instance | None" = None  # holds it: computing, or its rows until the ack
-    decode: "Instance | None" = None  # was sent its payload (imported once acked)
-    payload: tuple | None = None  # (start, bytes) waiting for a decode instance
-    resends: int = 0
-    recomputes: int = 0
-    prompt_sent: int = 0  # the prompt the prefill instance computes (prompt + tokens so far on a recompute)
-
-    def resumed(self) -> tuple[list[int], SamplingParams]:
-        """Prompt + tokens so far and the params of the rest (a recompute)."""
-        if not self.generated:
-            return self.prompt_ids, self.params
-        seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + len(self.generated)) % 2**63
-        params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(self.generated),
-                                     seed=seed, prompt_logprobs=None)
-        return self.prompt_ids + self.generated, params
-
-
-class Instance:
-    """The router's handle of one instance process and its channel."""
-
-    def __init__(self, spec: InstanceSpec, generation: int):
-        self.spec, self.generation = spec, generation
-        self.ready = threading.Event()
-        self.alive = True
-        self.identity = self.vocab_size = self.pid = None
-        self.stats: dict = {}
-        self.timeline: deque = deque(maxlen=4096)  # (time, running, waiting, blocks_used) per step
-        self.outbox: queue.Queue = queue.Queue()
-        self.start_error: str | None = None
-        ours, theirs = socket.socketpair()
-        self.channel = Channel(ours)
-        import multiprocessing
-
-        context = multiprocessing.get_context("forkserver")
-        self.process = context.Process(target=run_instance, args=(spec, theirs), daemon=True,
-                                       name=f"latentmoe-{spec.name}")
-        with _children_without_main():  # the target and its arguments all come from this package
-            self.process.start()
-        theirs.close()
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def send(self, header: tuple, payload: bytes = b"") -> None:
-        self.outbox.put((header, payload))
-
-    def queue_depth(self) -> int:
-        return self.stats.get("running", 0) + self.stats.get("waiting", 0) + self.stats.get("held", 0)
 
 
 class Router:
@@ -349,13 +273,14 @@ class Router:
         name = f"{role}{index}"
         faults = self.faults.get(name, InstanceFaults()) if generation == 0 else InstanceFaults()
         instance = Instance(InstanceSpec(role, index, config, self.model_loader, faults), generation)
-        for target, label in ((self._read, "reader"), (self._write, "sender")):
+        for target, label in ((self._read, "reader"), (Router._send, "sender")):
             thread = threading.Thread(target=target, args=(instance,), name=f"router-{name}-{label}", daemon=True)
             thread.start()
             self._threads.append(thread)
         return instance
 
-    def _write(self, instance: Instance) -> None:
+    @staticmethod
+    def _send(instance: Instance) -> None:
         while True:
             item = instance.outbox.get()
             if item is None:
