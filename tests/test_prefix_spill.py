@@ -240,3 +240,47 @@ def test_the_host_tier_demotes_its_least_recently_used_entries():
     assert host.has(b"a", "rows") and host.has(b"c", "kda") and not host.has(b"b", "rows")
     with pytest.raises(ValueError, match="prefix_cache.host_bytes"):
         HostTier(-1)
+
+
+def fill(pools, kind_views):
+    """Write distinct random values into the given pool views; return copies of what was written."""
+    g = torch.Generator().manual_seed(len(kind_views))
+    for view in kind_views.values():
+        view.copy_(torch.randint(0, 100, view.shape, generator=g).to(view.dtype))
+    return {name: view.clone() for name, view in kind_views.items()}
+
+
+def test_rows_and_snapshots_round_trip_through_the_host_tier_byte_for_byte(model):
+    from latentmoe_lab.paged_pools import PagedPools
+    from latentmoe_lab.serving.prefix_spill import SpillingBlockManager
+
+    pools = PagedPools(model.config, num_blocks=3, block_size=4, num_slots=3)  # 1 running slot + 2 snapshot rows
+    bm = SpillingBlockManager(pools, HostTier(1 << 30), None, 3, 4, 1, 2)
+    h0, h1, h2 = b"h0", b"h1", b"h2"
+    blocks = bm.allocate_blocks(2)
+    rows = [fill(pools, bm._views("rows", block)) for block in blocks]
+    for block_hash, block in zip((h0, h1), blocks):
+        bm.register_block(block_hash, block)
+    snapshot = fill(pools, bm._views("kda", bm.snapshot_row_for(h1)))
+    bm.release_blocks(blocks)
+    # a snapshot evicted while its blocks stay: h2's snapshot takes the older rows' place
+    bm.register_block(h2, bm.allocate_blocks(1)[0])
+    bm.release_blocks([bm.block_of_hash[h2]])
+    bm.snapshot_row_for(h2)
+    bm.snapshot_row_for(h0)  # both rows now taken by h2 and h0: h1's snapshot was the least recent
+    assert bm.host.has(h1, "kda") and h1 in bm.block_of_hash
+    held = bm.allocate_blocks(3)  # every block evicted: h0, h1 (and h2) rows to the host tier
+    assert bm.host.has(h0, "rows") and bm.host.has(h1, "rows") and not bm.block_of_hash
+    assert bm.match_prefix([h0, h1]) == ([], None)  # no room to bring them back: no hit, entries kept
+    assert bm.host.has(h0, "rows") and bm.host.has(h1, "kda")
+    bm.release_blocks(held)
+    for view in [*bm._views("rows", 0).values(), *bm._views("rows", 1).values(), *bm._views("kda", 1).values()]:
+        view.zero_()  # what the device held is gone: only the host copies can bring it back
+    table, row = bm.match_prefix([h0, h1, b"never seen"])
+    assert len(table) == 2 and bm.counts["prefix_hits_host"] == 1
+    for block, expected in zip(table, rows):
+        assert all(torch.equal(view, expected[name]) for name, view in bm._views("rows", block).items())
+    assert all(torch.equal(view, snapshot[name]) for name, view in bm._views("kda", row).items())
+    assert not bm.host.has(h0, "rows") and not bm.host.has(h1, "kda")  # moved back, not copied
+    bm.release_blocks(table)
+    assert bm.blocks_used == 0
