@@ -223,7 +223,8 @@ class WorkerGroup:
             ready = wait(self.conns + [p.sentinel for p in self.processes],
                          timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise self._failure(f"no answer to {header['kind']} within the group timeout ({self.pconfig.timeout_s}s)")
+                raise self._failure(f"no answer to {header['kind']} within the group timeout "
+                                    f"({self.pconfig.timeout_s}s)")
             for rank, conn in enumerate(self.conns):
                 if conn in ready:
                     reply = self._receive(rank)

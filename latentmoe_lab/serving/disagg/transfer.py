@@ -1,4 +1,4 @@
-"""The connector: one request's cache out of a prefill engine's pools and into a decode engine's (docs/design.md §13.1).
+"""The connector: one request's cache from a prefill engine's pools into a decode engine's (docs/design.md §13.1).
 
 Boundary rule: the prefill side computes all N prompt tokens and samples the first token; what travels
 is the state after N (DSA rows of tokens 0..N-1, KDA state and conv tail after token N-1), the first
