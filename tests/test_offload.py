@@ -13,11 +13,11 @@ from latentmoe_lab.serving.offload_plan import request_tier_bytes
 from latentmoe_lab.serving.sequence import Status
 from latentmoe_lab.serving.planner import check_engine_plan, plan_cache
 
-HOT_ROWS = 40  # tiny's indexer keeps 32 rows; the long prompt has 700
+HOT_ROWS = 40  # tiny's indexer keeps 32 rows; the long prompt has 1500
 
 
-def _service(offload: dict | None, max_model_len=1024, cache_bytes=3_000_000):
-    memory = {"max_num_seqs": 2, "block_size": 16, "cache_bytes": cache_bytes}
+def _service(offload: dict | None, max_model_len=2048, cache_bytes=3_000_000, prefix=False):
+    memory = {"max_num_seqs": 2, "block_size": 16, "cache_bytes": cache_bytes, "enable_prefix_caching": prefix}
     if offload is not None:
         memory["offload"] = offload
     return ServiceConfig.from_dict({"model": {"max_model_len": max_model_len}, "memory": memory,
@@ -30,7 +30,7 @@ ON = {"host_cache_bytes": 2_000_000, "hot_rows_per_layer": HOT_ROWS}
 @pytest.fixture(scope="module")
 def prompts():
     generator = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (700, 20)]  # 20 < top-k: dense
+    return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1500, 20)]  # 20 < top-k: dense
 
 
 @torch.no_grad()
@@ -53,6 +53,22 @@ def test_greedy_with_offload_equals_without_and_generate(model, prompts):
     assert device["dsa_latent"] == 2 * HOT_ROWS * 24 * 4  # hot buffers only (24 fp32 values per row)
     assert device["host_dsa_latent"] == pools.num_blocks * 16 * 24 * 4 and pools.layers[3].latent.device.type == "cpu"
     assert pools.stats()["rows_moved"] > 0 and pools.stats()["host_read_rows"] > 0
+
+
+@torch.no_grad()
+@torch.no_grad()
+def test_prefix_hits_with_offload_give_the_plain_tokens(model, prompts):
+    shared = prompts[0][:256]
+    requests = [shared + [5, 6, 7], shared + [9, 8]]  # the second hits the first's blocks (host tier rows)
+    params = SamplingParams(max_tokens=4)
+
+    def run(offload):
+        engine = Engine(model, _service(offload, prefix=True))
+        return [o.token_ids for o in engine.generate(requests[:1], params, use_tqdm=False)
+                + engine.generate(requests[1:], params, use_tqdm=False)], engine
+
+    (plain, _), (offloaded, engine) = run(None), run(ON)
+    assert offloaded == plain and engine.stats()["prefix_hit_tokens"] >= 256
 
 
 @torch.no_grad()
