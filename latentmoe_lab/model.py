@@ -21,7 +21,7 @@ from latentmoe_lab.cache import HybridCache
 from latentmoe_lab.config import DSA, KDA, ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.finite import all_finite, check_finite_logits
-from latentmoe_lab.layers.dsa import GatedDSA
+from latentmoe_lab.layers.dsa import GatedDSA, link_shared_indexers
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.kda import KimiDeltaAttention
 from latentmoe_lab.layers.moe import LatentMoE
@@ -83,6 +83,7 @@ class LatentMoEForCausalLM(nn.Module):
         _refuse_if_too_large(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_layers))
+        link_shared_indexers(config, [layer.attn for layer in self.layers])  # dsa.index_share_every
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
