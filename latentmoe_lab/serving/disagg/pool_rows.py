@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from latentmoe_lab.offload_tier import OffloadedDSAPool
 from latentmoe_lab.paged_pools import DSAPool, KDAPool, PagedPools, PlainFormat
 from latentmoe_lab.quant.kv_index import QuantizedIndexFormat
 from latentmoe_lab.quant.kv_mla import QuantizedLatentFormat
@@ -87,6 +88,8 @@ def write_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int, ro
     dsa = [pool for pool in pools.layers if isinstance(pool, DSAPool)]
     kda = [pool for pool in pools.layers if isinstance(pool, KDAPool)]
     for pool, latent, index in zip(dsa, rows["dsa_latent"], rows["dsa_index"]):
+        if isinstance(pool, OffloadedDSAPool):  # a host tier (§15.1): hot copies of these positions must go
+            pool.hot.invalidate(positions)
         write_token_bytes(pool.latent_format, pool.latent, pool.latent_dim, positions, latent)
         write_token_bytes(pool.index_format, pool.index, pool.index_dim, positions, index)
     for pool, state, conv in zip(kda, rows["kda_state"], rows["kda_conv"]):
