@@ -14,6 +14,8 @@ The cache keeps per token only c_kv, k_rope and the index key. Two equal ways to
               the sparse path, where one gather of the selected latent rows serves every head).
 The sparse path scores and attends in query blocks, so prefill holds [B, block, S] index scores at a time;
 the paged (serving) path also walks the keys in ranges of pool blocks, so nothing it holds grows with S.
+With a host tier (offload_tier.py, docs/design.md §15.1) decodes read their selected rows through the
+sequence's hot buffer; with dsa.index_share_every > 1 a layer may replay another's selections (§15.2).
 Shapes: B batch, T new tokens, S cached + new tokens, H heads; per-head tensors are [B, T, H, D].
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ class LightningIndexer(nn.Module):
 
 class SharedSelection:
     """The top-k selections of one indexer layer's latest forward, in call order, for the DSA layers after it
-    that reuse them (dsa.index_share_every > 1, docs/design.md §15.1). Both layers split a forward into the
+    that reuse them (dsa.index_share_every > 1, docs/design.md §15.2). Both layers split a forward into the
     same query blocks, decode groups and chunks, so the n-th selection of the source is the reuser's n-th."""
 
     def __init__(self, source_layer: int):
@@ -290,15 +292,15 @@ class GatedDSA(nn.Module):
         return torch.cat(blocks, dim=1) if blocks else q.new_zeros(*q.shape[:3], v.shape[-1])
 
     def _select_blocks(self, x, c_q, index_keys, offset, first_key):
-        """LightningIndexer.select_blocks over query_block queries at a time, through _select."""
-        if self.selection_role == "own":
-            yield from self.indexer.select_blocks(x, c_q, index_keys, offset, self.query_block, first_key)
+        """(start, stop, positions) per block of query_block queries: LightningIndexer.select_blocks (recorded
+        for the layers that reuse it), or, in a reusing layer, the source layer's replayed."""
+        if self.indexer is not None:
+            for start, stop, positions in self.indexer.select_blocks(x, c_q, index_keys, offset, self.query_block,
+                                                                     first_key):
+                yield start, stop, self._select(lambda: positions)
             return
-        blocks = self.indexer.select_blocks(x, c_q, index_keys, offset, self.query_block, first_key) \
-            if self.indexer is not None else None
         for start in range(0, x.shape[1], self.query_block):
-            stop = min(start + self.query_block, x.shape[1])
-            yield start, stop, self._select(lambda: next(blocks)[2])
+            yield start, min(start + self.query_block, x.shape[1]), self._select(None)
 
     # ------------------------------------------------------------------------------ paged (serving)
     def _forward_paged(self, x: torch.Tensor, batch: ForwardBatch | None, pool: DSAPool | None,
@@ -477,7 +479,7 @@ def _decode_groups(decodes: list[int], context_lens: list[int], max_padding: flo
 
 def link_shared_indexers(config: ModelConfig, attentions: list[nn.Module]) -> None:
     """Wire dsa.index_share_every: each DSA layer of `attentions` (config.layer_types order) whose index source
-    is another layer reuses that layer's selections (docs/design.md §15.1). A no-op at the default of 1."""
+    is another layer reuses that layer's selections (docs/design.md §15.2). A no-op at the default of 1."""
     for layer_idx, attn in enumerate(attentions):
         if not isinstance(attn, GatedDSA) or config.index_source(layer_idx) == layer_idx:
             continue
