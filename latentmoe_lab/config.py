@@ -64,7 +64,7 @@ class IndexerConfig:
 
 @dataclass
 class DSAConfig:
-    """Gated DSA layer options beyond MLA and the indexer (docs/design.md §15.1)."""
+    """Gated DSA layer options beyond MLA and the indexer (docs/design.md §15.2)."""
 
     # DSA layers per lightning indexer: 1 = every DSA layer runs its own; k > 1 = of every k consecutive DSA
     # layers only the first has an indexer, the next k - 1 reuse its top-k selection (no indexer weights and
@@ -161,7 +161,7 @@ class ModelConfig:
 
     def index_source(self, layer_idx: int) -> int:
         """The layer whose indexer selects for DSA layer `layer_idx`: itself, or with dsa.index_share_every = k
-        the first of its group of k consecutive DSA layers (docs/design.md §15.1)."""
+        the first of its group of k consecutive DSA layers (docs/design.md §15.2)."""
         dsa_layers = [i for i, kind in enumerate(self.layer_types) if kind == DSA]
         if layer_idx not in dsa_layers:
             raise ValueError(f"layer_idx: {layer_idx} is not a DSA layer of this config")

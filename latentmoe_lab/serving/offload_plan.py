@@ -81,3 +81,21 @@ def request_tier_text(config: ModelConfig, seq_len: int, kv_cache_dtype: str = "
                  f"({device / (device - parts['device: dsa_hot_buffers'] + parts['host: dsa_latent']):.1%} of the "
                  f"no-offload device figure)")
     return "\n".join(lines)
+
+
+def long_context_text(config: ModelConfig, service: ServiceConfig) -> str:
+    """plan-service's long-context part: one model.max_model_len request's bytes per tier with memory.offload,
+    and its decode-token roofline on the file's layout and device (without a host tier, and with one whose
+    every top-k row is swapped in: the upper bound of the host link's share)."""
+    from latentmoe_lab.parallel.config import ParallelConfig
+    from latentmoe_lab.parallel.hardware import HARDWARE
+    from latentmoe_lab.parallel.roofline import decode_roofline_text
+
+    par, mem, seq_len = service.parallel, service.memory, service.model.max_model_len
+    cache_dtype = "fp8" if service.cache_dtype in ("fp8", "int8") else "bf16"
+    hot_rows = None if mem.offload is None else mem.offload.hot_rows(config.indexer.topk)
+    pconfig = ParallelConfig(tp=par.tensor_parallel_size, ep=par.expert_parallel_size, pp=par.pipeline_parallel_size)
+    expert_format = "fp8" if service.model.dtype == "fp8" else "bf16"
+    roofline = [decode_roofline_text(config, pconfig, HARDWARE[mem.device], seq_len, cache_dtype, expert_format,
+                                     swap) for swap in (None, 1.0)]
+    return "\n".join([request_tier_text(config, seq_len, cache_dtype, hot_rows), *roofline])
