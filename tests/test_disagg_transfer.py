@@ -77,11 +77,13 @@ def assert_pools_equal(prefill, prefill_seq, decode_engine, decode_seq) -> None:
             assert torch.equal(b.conv[decode_seq.slot], a.conv[prefill_seq.slot])
 
 
-def run_1p1d(prefill: Engine, decode_engine: Engine, prompts, check_pools: bool = True) -> tuple[list, list]:
-    """Every prompt through prefill -> encode -> decode -> decode engine; (tokens per prompt, transfers as
-    (prompt length, payload bytes)). Acks (release) only after the import succeeded."""
-    index_of = {prefill.add_request(p, PARAMS): i for i, p in enumerate(prompts)}
-    tokens, transfers, pending, decode_index = [None] * len(prompts), [], [], {}
+def run_1p1d(prefill: Engine, decode_engine: Engine, prompts, check_pools: bool = True,
+             params: list[SamplingParams] | None = None) -> tuple[list, list]:
+    """Every prompt through prefill -> encode -> decode -> decode engine; (finished output per prompt, transfers
+    as (prompt length, payload bytes)). Acks (release) only after the import succeeded."""
+    params = params or [PARAMS] * len(prompts)
+    index_of = {prefill.add_request(p, q): i for i, (p, q) in enumerate(zip(prompts, params))}
+    finished, transfers, pending, decode_index = [None] * len(prompts), [], [], {}
     while prefill.has_unfinished() or decode_engine.has_unfinished() or pending:
         if prefill.has_unfinished():
             outputs, caches = prefill_step(prefill)
@@ -104,8 +106,8 @@ def run_1p1d(prefill: Engine, decode_engine: Engine, prompts, check_pools: bool 
             for out in decode_engine.step():
                 if out.finished:
                     assert out.finish_reason == "length"
-                    tokens[decode_index[out.request_id]] = out.token_ids
-    return tokens, transfers
+                    finished[decode_index[out.request_id]] = out
+    return finished, transfers
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
@@ -120,8 +122,8 @@ def test_1p1d_equals_colocated_and_the_model(model, prompts, kv_cache_dtype, spe
     assert expected == [reference_tokens(model, p, kv_cache_dtype) for p in prompts]
     prefill, decode_engine = (Engine(model, service(kv_cache_dtype, speculative)),
                               Engine(model, service(kv_cache_dtype, speculative)))
-    tokens, transfers = run_1p1d(prefill, decode_engine, prompts)
-    assert tokens == expected
+    outputs, transfers = run_1p1d(prefill, decode_engine, prompts)
+    assert [o.token_ids for o in outputs] == expected
     assert (decode_engine.stats()["spec_draft_tokens"] > 0) == (speculative is not None)  # drafts were verified
     assert prefill.scheduler.prefix_hit_tokens > 0  # the shared prefixes hit on the prefill side
     cache_dtype = service(kv_cache_dtype).cache_dtype
@@ -138,11 +140,11 @@ def test_tp2_prefill_to_tp1_decode(model, prompts):
     expected = [o.token_ids for o in Engine(model, service("fp8")).generate(chosen, PARAMS, use_tqdm=False)]
     prefill = Engine(model, service("fp8", tensor_parallel_size=2))
     try:
-        tokens, transfers = run_1p1d(prefill, Engine(model, service("fp8")), chosen, check_pools=False)
+        outputs, transfers = run_1p1d(prefill, Engine(model, service("fp8")), chosen, check_pools=False)
         assert prefill.block_manager.blocks_used == 0 and prefill.block_manager.slots_used == 0
     finally:
         prefill.close()
-    assert tokens == expected
+    assert [o.token_ids for o in outputs] == expected
     # the gathered state is the one-process state up to the TP reductions' rounding (a misplaced head is O(1))
     one = Engine(model, service("fp8"))
     request = one.add_request(chosen[2], PARAMS)
@@ -155,17 +157,35 @@ def test_tp2_prefill_to_tp1_decode(model, prompts):
     release_exported(one, request)
 
 
+def test_sampled_requests_continue_their_generator(model, prompts):
+    """Sampling (temperature 1, top-p, penalties, logprobs): the decode side draws from the generator state the
+    prefill side left after the first token, so the tokens and logprobs equal the colocated engine's."""
+    chosen = [prompts[i] for i in (1, 5, 10, 13)]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, seed=7 + i, logprobs=2,
+                             presence_penalty=0.5) for i in range(len(chosen))]
+    colocated = Engine(model, service("fp8")).generate(chosen, params, use_tqdm=False)
+    outputs, _ = run_1p1d(Engine(model, service("fp8")), Engine(model, service("fp8")), chosen, params=params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in colocated]
+    greedy = [o.token_ids for o in Engine(model, service("fp8")).generate(chosen, PARAMS, use_tqdm=False)]
+    assert [o.token_ids for o in outputs] != greedy  # the draws mattered
+    for got, want in zip(outputs, colocated):
+        assert [lp.token_id for lp in got.logprobs] == got.token_ids and len(got.logprobs) == NEW_TOKENS
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
 def test_tp1_prefill_to_tp2_decode(model, prompts):
     """The other way: each decode rank gets its KDA heads (and conv channels) sliced from the payload."""
     chosen = [prompts[i] for i in (3, 9, 15)]
     expected = [o.token_ids for o in Engine(model, service("bf16")).generate(chosen, PARAMS, use_tqdm=False)]
     decode_engine = Engine(model, service("bf16", tensor_parallel_size=2))
     try:
-        tokens, _ = run_1p1d(Engine(model, service("bf16")), decode_engine, chosen, check_pools=False)
+        outputs, _ = run_1p1d(Engine(model, service("bf16")), decode_engine, chosen, check_pools=False)
         assert decode_engine.block_manager.blocks_used == 0 and decode_engine.block_manager.slots_used == 0
     finally:
         decode_engine.close()
-    assert tokens == expected
+    assert [o.token_ids for o in outputs] == expected
 
 
 @pytest.mark.parametrize("parts", [2, 4])
