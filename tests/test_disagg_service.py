@@ -103,6 +103,18 @@ def test_one_endpoint_over_1p1d_equals_colocated_and_generate(reference):
         assert decode.stats["decode_tokens"] > 0 and decode.stats["prefill_tokens"] == 0  # decode never prefilled
 
 
+@pytest.mark.slow
+def test_a_tp2_prefill_instance_hands_over_to_a_tp1_decode_instance(reference):
+    """The prefill instance's forward on 2 tensor-parallel worker processes (its own children), the decode
+    instance's in its process: the KDA heads are gathered on export (§13.1), outputs unchanged."""
+    tp2 = {**SERVICE, "disaggregation": {**SERVICE["disaggregation"],
+                                         "prefill": {"parallel": {"tensor_parallel_size": 2}}}}
+    with start_service(tp2) as (served, worker):
+        assert _complete_all(served.url) == reference
+        assert _drained(served.url, worker)["blocks_used"] == 0
+        assert worker.router.counts["transfers"] == len(PROMPTS)
+
+
 FAULTS = {"prefill0": InstanceFaults(corrupt_transfer=1, exit_mid_transfer=3),
           "decode0": InstanceFaults(exit_at_decode_step=6)}
 

@@ -27,8 +27,9 @@ class Instance:
         ours, theirs = socket.socketpair()
         self.channel = Channel(ours)
         context = multiprocessing.get_context("forkserver")
-        self.process = context.Process(target=run_instance, args=(spec, theirs), daemon=True,
-                                       name=f"latentmoe-{spec.name}")
+        # not a daemon: an instance with tensor_parallel_size > 1 starts worker processes of its own (a daemon
+        # may not); if the server dies without stopping it, its channel closes and it exits by itself
+        self.process = context.Process(target=run_instance, args=(spec, theirs), name=f"latentmoe-{spec.name}")
         with _children_without_main():  # the target and its arguments all come from this package
             self.process.start()
         theirs.close()
