@@ -284,3 +284,47 @@ def test_rows_and_snapshots_round_trip_through_the_host_tier_byte_for_byte(model
     assert not bm.host.has(h0, "rows") and not bm.host.has(h1, "kda")  # moved back, not copied
     bm.release_blocks(table)
     assert bm.blocks_used == 0
+
+
+def test_a_restored_block_drops_the_hot_copies_of_its_old_rows(model):
+    """With DSA rows offloaded (offload_tier.py), a decode serves a position from the sequence's hot buffer
+    when it holds one: a block restored from the spill must not leave its previous rows there."""
+    from latentmoe_lab.offload_tier import OffloadedPools
+    from latentmoe_lab.serving.prefix_spill import SpillingBlockManager
+
+    topk = model.config.indexer.topk
+    pools = OffloadedPools(model.config, num_blocks=2, block_size=4, num_slots=2, hot_rows=topk, hot_slots=1)
+    bm = SpillingBlockManager(pools, HostTier(1 << 30), None, 2, 4, 1, 1)
+    block = bm.allocate_blocks(1)[0]
+    bm.register_block(b"h", block)
+    bm.snapshot_row_for(b"h")
+    bm.release_blocks([block])
+    other = bm.allocate_blocks(2)  # evicts b"h" to the host tier; the blocks now hold other rows
+    hot = pools.layers[model.config.layer_types.index("dsa")].hot
+    hot.position[0, :8] = torch.arange(8)  # a decode made the old rows of both blocks hot in slot 0
+    bm.release_blocks(other)
+    table, _ = bm.match_prefix([b"h"])
+    restored = torch.arange(4) + 4 * table[0]
+    assert not torch.isin(hot.position, restored).any()  # the restored block's positions are hot nowhere
+    assert torch.isin(hot.position, torch.arange(8)).sum() == 4  # the other block's copies stay
+
+
+def test_layers_that_share_an_indexer_spill_their_latent_rows_only():
+    from latentmoe_lab.config import ModelConfig
+    from latentmoe_lab.paged_pools import PagedPools
+    from latentmoe_lab.serving.prefix_spill import SpillingBlockManager
+
+    config = ModelConfig.from_preset("small").replace(dsa={"index_share_every": 2})  # DSA layers 3 and 7
+    pools = PagedPools(config, num_blocks=1, block_size=4, num_slots=2)
+    bm = SpillingBlockManager(pools, HostTier(1 << 30), None, 1, 4, 1, 1)
+    assert sorted(bm.expected["rows"]) == ["layer3.index", "layer3.latent", "layer7.latent"]
+    written = fill(pools, bm._views("rows", bm.allocate_blocks(1)[0]))
+    bm.register_block(b"h", 0)
+    bm.snapshot_row_for(b"h")
+    bm.release_blocks([0])
+    reused = bm.allocate_blocks(1)  # b"h" evicted to the host tier, its block overwritten
+    for view in bm._views("rows", reused[0]).values():
+        view.zero_()
+    bm.release_blocks(reused)
+    table, _ = bm.match_prefix([b"h"])
+    assert all(torch.equal(view, written[name]) for name, view in bm._views("rows", table[0]).items())

@@ -31,6 +31,7 @@ import logging
 
 import torch
 
+from latentmoe_lab.offload_tier import OffloadedDSAPool
 from latentmoe_lab.paged_pools import DSAPool, PagedPools
 from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.prefix_spill_disk import DiskTier, SpillRefused, tensors_sha256
@@ -178,7 +179,9 @@ class SpillingBlockManager(BlockManager):
         views = {}
         for i, pool in enumerate(self.pools.layers):
             if kind == ROWS and isinstance(pool, DSAPool):
-                views |= {f"layer{i}.latent": pool.latent[index], f"layer{i}.index": pool.index[index]}
+                views[f"layer{i}.latent"] = pool.latent[index]
+                if pool.index.shape[0]:  # a layer reusing another's selection keeps no keys (dsa.index_share_every)
+                    views[f"layer{i}.index"] = pool.index[index]
             elif kind == KDA and not isinstance(pool, DSAPool):
                 views |= {f"layer{i}.state": pool.state[index], f"layer{i}.conv": pool.conv[index]}
         return views
@@ -188,6 +191,11 @@ class SpillingBlockManager(BlockManager):
         return {name: host_copy(view) for name, view in views.items()} if copy else views
 
     def _write(self, kind: str, index: int, tensors: Entry) -> None:
+        if kind == ROWS:  # with DSA rows offloaded (§15.1), hot copies of the block's old rows must go
+            positions = torch.arange(index * self.block_size, (index + 1) * self.block_size)
+            for pool in self.pools.layers:
+                if isinstance(pool, OffloadedDSAPool):
+                    pool.hot.invalidate(positions)
         for name, view in self._views(kind, index).items():
             view.copy_(tensors[name])
 
