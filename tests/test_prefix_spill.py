@@ -328,3 +328,21 @@ def test_layers_that_share_an_indexer_spill_their_latent_rows_only():
     bm.release_blocks(reused)
     table, _ = bm.match_prefix([b"h"])
     assert all(torch.equal(view, written[name]) for name, view in bm._views("rows", table[0]).items())
+
+
+def test_a_spill_under_offloaded_dsa_rows_equals_a_fresh_run(model, prompts):
+    """Both halves of the cache hierarchy at once: latent rows in part A's host tier (9 blocks' worth), the
+    prefix cache spilled to host; logits of hits equal a fresh offloaded run without prefix caching."""
+    def offloaded(prefix, prefix_cache=None):
+        data = {"model": {"max_model_len": 512},
+                "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
+                           "prefix_snapshot_slots": 2 if prefix else 0, "cache_bytes": 400_000,
+                           "offload": {"host_cache_bytes": 60_000 if prefix else 200_000, "hot_rows_per_layer": 40}},
+                "scheduler": {"prefill_chunk_size": 512, "batch_invariant": True, "max_batch_size": 4}}
+        return ServiceConfig.from_dict(data | ({"prefix_cache": prefix_cache} if prefix_cache else {}))
+
+    fresh = serve(Engine(model, offloaded(False)), prompts)
+    engine = Engine(model, offloaded(True, {"host_bytes": 1 << 20}))
+    assert engine.plan.num_blocks == 9
+    assert_same(serve(engine, prompts), fresh)
+    assert engine.stats()["prefix_hits_host"] == 3
