@@ -7,8 +7,9 @@ All variants run in this process on the same LatentMoE weights (no shared expert
 the routed path differs) and the same input x [1, T, 512]:
 
     grouped       LatentMoE.forward: route_topk, stable sort by expert, permute, then per tile of
-                  4096 expert-major rows (ops.routing.CPU_TILE_ROWS) one grouped matmul per projection
-                  (torch._grouped_mm without autograd) and the fp32 index_add combine
+                  whole experts up to 4096 expert-major rows (ops.routing.CPU_TILE_ROWS) one grouped
+                  matmul per projection (torch._grouped_mm; its backward written out in
+                  ops.grouped_experts) and the fp32 index_add combine
     per-expert    route_topk once, then a Python loop over the 64 experts: torch.where,
                   index_select, the expert's SwiGLU, index_add of the weighted rows
     per-token     LatentMoE.reference_forward: for every token, for each of its 8 experts,
@@ -26,7 +27,9 @@ inside the interleaved rounds it runs on the first --per-token-tokens tokens (de
 is scaled by T / 256: it is one Python iteration per token, so linear in T. It also runs once over
 all T, untimed by the rounds, as the correctness check and as a cross-check of the scaled time.
 Outputs are compared with assert_close at rtol = atol = 1e-5. A second table repeats
-grouped vs per-expert at several T, a third runs the imbalance workloads. Everything goes to stdout
+grouped vs per-expert at several T, forward (no grad) and forward + backward (into x and every weight),
+with the matmul floor of a forward + backward (the two expert GEMMs and their 4 backward GEMMs) at the
+largest T; a third runs the imbalance workloads. Everything goes to stdout
 and benchmarks/bench_moe.json.
 """
 from __future__ import annotations
@@ -134,15 +137,44 @@ def main_table(layer, tokens, repeats, per_token_tokens) -> dict:
     }
 
 
+def _with_backward(forward, x: torch.Tensor):
+    """forward(x), then the backward of its sum into x and the layer's weights (grads cleared each call)."""
+    def run():
+        x.grad = None
+        forward(x).sum().backward()
+    return run
+
+
+def floor_with_backward(layer, tokens: int):
+    """The matmul floor of a forward + backward: the expert GEMMs as two plain matmuls of the total routed
+    shape, and their 4 backward GEMMs (input and weight gradients)."""
+    rows = tokens * layer.top_k
+    latent, inter = layer.experts.w2.shape[2], layer.experts.w2.shape[1]
+    z_rows, h_rows = torch.randn(rows, latent, requires_grad=True), torch.randn(rows, inter, requires_grad=True)
+    w13 = layer.experts.w13[0].detach().clone().requires_grad_()
+    w2 = layer.experts.w2[0].detach().clone().requires_grad_()
+    return lambda: ((z_rows @ w13).sum() + (h_rows @ w2).sum()).backward()
+
+
 def sweep_table(layer, token_counts, repeats) -> list[dict]:
+    """Library vs per-expert loop per T, forward (no grad) and forward + backward; at the largest T also the
+    matmul floor of both."""
     out = []
-    with torch.no_grad():
-        for tokens in token_counts:
-            x = torch.randn(1, tokens, layer.hidden_size)
+    for tokens in token_counts:
+        x = torch.randn(1, tokens, layer.hidden_size)
+        with torch.no_grad():
             torch.testing.assert_close(per_expert_loop_forward(layer, x), layer(x), **TOL)
             m = interleaved_medians({"grouped": lambda: layer(x),
                                      "per-expert loop": lambda: per_expert_loop_forward(layer, x)}, repeats)
-            out.append({"tokens": tokens, **m, "per_expert_over_grouped": m["per-expert loop"] / m["grouped"]})
+        xg = x.clone().requires_grad_()
+        runs = {"grouped fwd+bwd": _with_backward(layer, xg),
+                "per-expert loop fwd+bwd": _with_backward(lambda v: per_expert_loop_forward(layer, v), xg)}
+        if tokens == max(token_counts):
+            runs["matmul floor fwd+bwd"] = floor_with_backward(layer, tokens)
+        m.update(interleaved_medians(runs, repeats))
+        layer.zero_grad(set_to_none=True)
+        out.append({"tokens": tokens, **m, "per_expert_over_grouped": m["per-expert loop"] / m["grouped"],
+                    "per_expert_over_grouped_fwd_bwd": m["per-expert loop fwd+bwd"] / m["grouped fwd+bwd"]})
     return out
 
 
@@ -203,10 +235,15 @@ def print_tables(result: dict) -> None:
         print(f"| {name} | {main_result['seconds'][name] * 1e3:.1f} | {ratio:.2f} |")
     print(f"(per-token loop: timed on {main_result['per_token_tokens_timed']} tokens per round and scaled; "
           f"one untimed-round run over all T took {main_result['per_token_single_full_run_s'] * 1e3:.0f} ms)")
-    print("\n| T | grouped ms | per-expert loop ms | per-expert / grouped |\n|---:|---:|---:|---:|")
+    print("\n| T | grouped ms | per-expert loop ms | per-expert / grouped | fwd+bwd: grouped ms | per-expert loop ms "
+          "| per-expert / grouped |\n|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["sweep"]:
         print(f"| {row['tokens']} | {row['grouped'] * 1e3:.2f} | {row['per-expert loop'] * 1e3:.2f} | "
-              f"{row['per_expert_over_grouped']:.2f} |")
+              f"{row['per_expert_over_grouped']:.2f} | {row['grouped fwd+bwd'] * 1e3:.2f} | "
+              f"{row['per-expert loop fwd+bwd'] * 1e3:.2f} | {row['per_expert_over_grouped_fwd_bwd']:.2f} |")
+    last = result["sweep"][-1]
+    print(f"T={last['tokens']} fwd+bwd: grouped / matmul floor "
+          f"{last['grouped fwd+bwd'] / last['matmul floor fwd+bwd']:.2f}")
     print("\n| workload | max/mean | min/mean | dropped @ cf 1.25 | expert ms | x uniform | padded rows / rows |\n"
           "|---|---:|---:|---:|---:|---:|---:|")
     for row in result["workloads"]:

@@ -1,113 +1,222 @@
-"""Training-step tokens/s for the mini and small presets, forward and backward split by component.
+"""Training-step speed of the mini preset against a dense reference transformer, and the machine's matmul rate.
 
-One step = forward with labels (CE + aux losses), backward, AdamW step, as `latentmoe-lab train` runs it
-(without the guard). Component times come from module hooks: a forward pre-hook / forward hook pair
-times each component's forward, and a full backward pre-hook / backward hook pair its backward.
-Components: embedding, KDA attention, Gated DSA attention, LatentMoE FFN, dense FFN, LM head; "other"
-is the rest of the step (norms, residual adds, the loss, autograd bookkeeping).
+One run reports, all measured in this process, the steps interleaved (mini, dense, mini, ...) so a load
+spike on a shared machine hits both, medians over --steps:
 
-    python benchmarks/bench_train.py                 # mini at 16 x 128 and small at 4 x 256, 3 timed steps
-    python benchmarks/bench_train.py --quick         # one timed step each, smaller batches
+    matmul rate    fp32 [1024, 1024] @ [1024, 1024], GFLOP/s (the utilization's denominator)
+    mini step      `latentmoe-lab train`'s step: forward with labels, CE + aux losses, backward, the guard's
+                   two finiteness checks, gradient clipping, AdamW, the routing-bias update
+    dense step     a causal transformer built from torch's own nn.TransformerEncoderLayer (pre-norm, GELU),
+                   of similar non-embedding size, same batch, AdamW
+    model FLOPs    per token: 6 x active parameters + attention (docs/design.md §9, `model_flops_per_token`)
+    utilization    model FLOP/s / matmul rate
+
+    python benchmarks/bench_train.py --threads 1             # mini at its train defaults, 5 timed steps each
+    python benchmarks/bench_train.py --quick                 # 4 x 64, 2 steps: checks the harness
+    python benchmarks/bench_train.py --split                 # also the mini step by component (module hooks)
+    python benchmarks/bench_train.py --threads 1 --minutes 8 # + held-out bits/byte after 8 minutes of each
+
+--minutes M trains mini (the train preset's lr, warm-up and betas, bias updates) and then the dense model
+(same batch, lr 1e-3) for M minutes of wall time each on the standard-library corpus, and evaluates both on
+the same held-out rows (bits per byte) every M/4 minutes. It needs a quiet machine to mean anything.
 """
 from __future__ import annotations
 
+import os
+import statistics
 import time
-from collections import defaultdict
 
 import torch
+from bench_train_parts import (ComponentTimer, DenseCausalLM, dense_like, heldout_bits_per_byte, matmul_gflops,
+                               model_flops_per_token)
 from common import apply_threads, machine_info, make_parser, write_json
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.layers.moe import LatentMoE
-
-CASES = {"mini": (16, 128), "small": (4, 256)}
-QUICK_CASES = {"mini": (4, 128), "small": (1, 128)}
+from latentmoe_lab.training.lm import PRESET_DEFAULTS, warmup_cosine
 
 
-def components(model: LatentMoEForCausalLM) -> list[tuple[str, torch.nn.Module]]:
-    named = [("embedding", model.embed_tokens), ("lm_head", model.lm_head)]
-    for block in model.layers:
-        named.append((f"{block.attention_type}_attention", block.attn))
-        named.append(("moe_ffn" if isinstance(block.ffn, LatentMoE) else "dense_ffn", block.ffn))
-    return named
-
-
-class ComponentTimer:
-    """Seconds per (phase, component), summed over every call since the last reset."""
-
-    def __init__(self, model: LatentMoEForCausalLM):
-        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
-        self._started: dict[int, float] = {}
-        self.handles = []
-        for name, module in components(model):
-            self.handles += [
-                module.register_forward_pre_hook(self._start),
-                module.register_forward_hook(lambda m, i, o, name=name: self._stop(m, "forward", name)),
-                module.register_full_backward_pre_hook(lambda m, g: self._start(m, None)),
-                module.register_full_backward_hook(lambda m, gi, go, name=name: self._stop(m, "backward", name)),
-            ]
-
-    def _start(self, module, _inputs):
-        self._started[id(module)] = time.perf_counter()
-
-    def _stop(self, module, phase: str, name: str):
-        self.seconds[(phase, name)] += time.perf_counter() - self._started.pop(id(module))
-
-
-def bench(preset: str, batch: int, seq_len: int, steps: int) -> dict:
-    config = ModelConfig.from_preset(preset)
+def mini_trainer(config: ModelConfig, lr: float, warmup: int, total_steps: int):
+    """(model, step(ids) -> loss): the train loop's step on one process (training/lm.py), without accelerate."""
     torch.manual_seed(0)
     model = LatentMoEForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 256, (batch, seq_len))
-    timer = ComponentTimer(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps, 0.1))
+    moe_layers = [block.ffn for block in model.layers if isinstance(block.ffn, LatentMoE)]
 
-    def step() -> tuple[float, float, float]:
-        start = time.perf_counter()
-        out = model(ids, labels=ids)
-        mid = time.perf_counter()
-        (out.loss + out.aux_loss).backward()
-        after_backward = time.perf_counter()
+    def step(ids: torch.Tensor) -> float:
+        output = model(ids, labels=ids)
+        total = output.loss + output.aux_loss
+        total.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not (torch.isfinite(total.detach()) and torch.isfinite(grad_norm)):
+            raise FloatingPointError("non-finite loss or gradient norm")
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return mid - start, after_backward - mid, time.perf_counter() - after_backward
+        for layer in moe_layers:
+            layer.update_bias(layer.last_expert_counts)
+        return float(output.loss.detach())
 
-    step()  # warm-up: allocator, first-call paths
-    timer.seconds.clear()
-    totals = [0.0, 0.0, 0.0]
+    return model, step
+
+
+def dense_trainer(config: ModelConfig, seq_len: int, lr: float, warmup: int, total_steps: int):
+    torch.manual_seed(0)
+    model = dense_like(config, seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps, 0.1))
+
+    def step(ids: torch.Tensor) -> float:
+        loss = model.loss(ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return model, step
+
+
+def speed(config: ModelConfig, batch: int, seq_len: int, steps: int, split: bool) -> dict:
+    """Interleaved step times of mini and the dense reference, their FLOPs and utilization."""
+    ids = torch.randint(0, 256, (batch, seq_len))
+    mini, mini_step = mini_trainer(config, 1e-3, 1, 10 ** 6)
+    dense, dense_step = dense_trainer(config, seq_len, 1e-3, 1, 10 ** 6)
+    times = {"mini": [], "dense": []}
+    gflops = [matmul_gflops()]
+    for _ in range(2):  # warm-up: allocator, first-call paths
+        mini_step(ids), dense_step(ids)
     for _ in range(steps):
-        for i, value in enumerate(step()):
-            totals[i] += value
-    forward, backward, optim = (t / steps for t in totals)
+        for name, step in (("mini", mini_step), ("dense", dense_step)):
+            start = time.perf_counter()
+            step(ids)
+            times[name].append(time.perf_counter() - start)
+        gflops.append(matmul_gflops(repeats=1))
+    rate = statistics.median(gflops) * 1e9
+    result = {"batch": batch, "seq_len": seq_len, "matmul_gflops": rate / 1e9, "matmul_gflops_all": gflops}
+    for name, model in (("mini", mini), ("dense", dense)):
+        step_s = statistics.median(times[name])
+        flops = model_flops_per_token(model, seq_len)
+        tokens_per_s = batch * seq_len / step_s
+        result[name] = {**flops, "step_s": step_s, "step_s_all": times[name], "tokens_per_s": tokens_per_s,
+                        "model_gflops_per_s": flops["flops_per_token"] * tokens_per_s / 1e9,
+                        "utilization": flops["flops_per_token"] * tokens_per_s / rate}
+    result["mini"]["guard_share"] = guard_share(ids, mini, result["mini"]["step_s"])
+    if split:
+        result["mini"]["split_s"] = component_split(mini, mini_step, ids, steps)
+    return result
+
+
+def guard_share(ids: torch.Tensor, model: LatentMoEForCausalLM, step_s: float, repeats: int = 20) -> float:
+    """The non-finite guard's cost per step over the step time: the per-block finite flags of the forward
+    (finite.all_finite on every hidden state) and the loop's two checks (loss and gradient norm)."""
+    from latentmoe_lab.finite import all_finite
+
+    hidden = torch.randn(*ids.shape, model.config.hidden_size)
+    loss, norm = torch.tensor(1.0), torch.tensor(2.0)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.stack([all_finite(hidden) for _ in range(len(model.layers) + 2)])
+        bool(torch.isfinite(loss)) and bool(torch.isfinite(norm))
+    return (time.perf_counter() - start) / repeats / step_s
+
+
+def component_split(model, step, ids, steps: int) -> dict:
+    timer = ComponentTimer(model)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(ids)
+    total = (time.perf_counter() - start) / steps
+    timer.remove()
     split = {f"{phase}/{name}": seconds / steps for (phase, name), seconds in sorted(timer.seconds.items())}
-    split["forward/other"] = forward - sum(v for k, v in split.items() if k.startswith("forward/"))
-    split["backward/other"] = backward - sum(v for k, v in split.items() if k.startswith("backward/"))
-    step_s = forward + backward + optim
-    return dict(preset=preset, batch=batch, seq_len=seq_len, parameters=sum(p.numel() for p in model.parameters()),
-                step_s=step_s, tokens_per_s=batch * seq_len / step_s, forward_s=forward, backward_s=backward,
-                optimizer_s=optim, split_s=split)
+    split["rest (norms, loss, AdamW, hooks)"] = total - sum(split.values())
+    return {key: value / total for key, value in split.items()}
+
+
+def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_rows: int) -> dict:
+    """Held-out bits/byte against wall time, mini then dense, `minutes` each on the stdlib corpus."""
+    from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
+
+    corpus = load_corpus(None, 0.02, verbose=False)
+    train_rows, held_rows = pack(corpus.train, seq_len), pack(corpus.held_out, seq_len)
+    picked = held_rows[torch.linspace(0, len(held_rows) - 1, min(eval_rows, len(held_rows))).round().long()].long()
+    mini_defaults = PRESET_DEFAULTS["mini"]
+    out = {}
+    for name in ("mini", "dense"):
+        # the schedule is set for the step count the speed run predicts; the clock ends the run
+        if name == "mini":
+            model, step = mini_trainer(config, mini_defaults["lr"], mini_defaults["warmup"], 10 ** 9)
+            evaluate = lambda: heldout_bits_per_byte(lambda ids: model(ids, labels=ids).loss, picked)  # noqa: E731
+        else:
+            model, step = dense_trainer(config, seq_len, 1e-3, mini_defaults["warmup"], 10 ** 9)
+            evaluate = lambda: heldout_bits_per_byte(model.loss, picked)  # noqa: E731
+        curve, trained, started, number = [], 0.0, time.perf_counter(), 0
+        checkpoints = [minutes * 60 * k / 4 for k in (1, 2, 3, 4)]
+        while checkpoints:
+            ids = train_rows[batch_rows(number, batch, len(train_rows), 0)].long()
+            step(ids)
+            number += 1
+            trained = time.perf_counter() - started
+            if trained >= checkpoints[0]:
+                checkpoints.pop(0)
+                model.eval()
+                curve.append({"train_s": trained, "steps": number, "bits_per_byte": evaluate()})
+                model.train()
+                started += time.perf_counter() - started - trained  # evaluation time is not training time
+                print(f"  {name}: {trained / 60:.1f} min, {number} steps, held-out {curve[-1]['bits_per_byte']:.3f} "
+                      f"bits/byte", flush=True)
+        out[name] = curve
+    out["mini_over_dense"] = out["mini"][-1]["bits_per_byte"] / out["dense"][-1]["bits_per_byte"]
+    return out
 
 
 def main() -> None:
-    parser = make_parser(__doc__, default_threads=None)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per preset (default: 3)")
-    parser.add_argument("--presets", nargs="+", default=list(CASES), choices=list(CASES))
+    parser = make_parser(__doc__, default_threads=None, full_doc=True)
+    defaults = PRESET_DEFAULTS["mini"]
+    parser.add_argument("--batch", type=int, default=defaults["batch"], help="rows per step (default: train's)")
+    parser.add_argument("--seq-len", type=int, default=defaults["seq_len"], help="bytes per row (default: train's)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of each model (default: 5)")
+    parser.add_argument("--split", action="store_true", help="also time the mini step by component")
+    parser.add_argument("--minutes", type=float, default=0.0, help="train each model this long and compare "
+                        "held-out bits/byte (default: 0, speed only)")
+    parser.add_argument("--eval-rows", type=int, default=64, help="held-out rows per evaluation (default: 64)")
     args = parser.parse_args()
     apply_threads(args)
-    cases = QUICK_CASES if args.quick else CASES
-    results = []
-    for preset in args.presets:
-        batch, seq_len = cases[preset]
-        result = bench(preset, batch, seq_len, 1 if args.quick else args.steps)
-        results.append(result)
-        print(f"{preset}: {result['parameters'] / 1e6:.1f}M parameters, batch {batch} x {seq_len}: "
-              f"{result['step_s']:.2f} s/step, {result['tokens_per_s']:,.0f} tokens/s "
-              f"(forward {result['forward_s']:.2f} s, backward {result['backward_s']:.2f} s, "
-              f"AdamW {result['optimizer_s']:.2f} s)")
-        for key, seconds in result["split_s"].items():
-            print(f"    {key:28s} {seconds * 1000:9.1f} ms  {100 * seconds / result['step_s']:5.1f}%")
-    path = write_json(__file__, dict(machine=machine_info(quick=args.quick), results=results))
-    print(f"results: {path}")
+    if args.quick:
+        args.batch, args.seq_len, args.steps = 4, 64, 2
+    config = ModelConfig.from_preset("mini")
+    load_before = os.getloadavg()
+    result = {"speed": speed(config, args.batch, args.seq_len, args.steps, args.split)}
+    if args.minutes > 0:
+        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows)
+    result["machine"] = machine_info(quick=args.quick, loadavg_before=load_before, loadavg_after=os.getloadavg())
+    report(result)
+    print(f"results: {write_json(__file__, result)}")
+
+
+def report(result: dict) -> None:
+    s, m = result["speed"], result["machine"]
+    print(f"torch {m['torch']}, {m['threads']} threads, load average {m['loadavg_before'][0]:.1f} -> "
+          f"{m['loadavg_after'][0]:.1f}; batch {s['batch']} x {s['seq_len']}; fp32 1024^3 matmul "
+          f"{s['matmul_gflops']:.1f} GFLOP/s")
+    print("| model | active params | MFLOP/token | step s | tokens/s | model GFLOP/s | utilization |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
+    for name in ("mini", "dense"):
+        r = s[name]
+        print(f"| {name} | {r['active_parameters'] / 1e6:.2f}M | {r['flops_per_token'] / 1e6:.1f} | {r['step_s']:.3f} | "
+              f"{r['tokens_per_s']:,.0f} | {r['model_gflops_per_s']:.1f} | {100 * r['utilization']:.1f}% |")
+    print(f"guard: {100 * s['mini']['guard_share']:.2f}% of a mini step")
+    for key, share in s["mini"].get("split_s", {}).items():
+        print(f"    {key:36s} {100 * share:5.1f}%")
+    if "quality" in result:
+        q = result["quality"]
+        print(f"held-out bits/byte after {q['mini'][-1]['train_s'] / 60:.1f} min: mini {q['mini'][-1]['bits_per_byte']:.3f}, "
+              f"dense {q['dense'][-1]['bits_per_byte']:.3f} (mini / dense {q['mini_over_dense']:.3f})")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,9 @@ class _GroupedSwiGLUExperts(torch.autograd.Function):
         return join(grad_z), join(grad_w13), join(grad_w2), None, None, None
 
 
+# torch._grouped_mm's fake-tensor rule (what torch.compile traces with) takes bf16 only: the experts run
+# eager between the compiled graphs of a torch.compile'd model.
+@torch.compiler.disable
 def grouped_swiglu_experts(z: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            clamp: float | None = None) -> torch.Tensor:
     """Expert_e(z_r) for every expert-major row: z [M, l], counts [E] int, w13 [E, l, 2F], w2 [E, F, l] -> [M, l].
