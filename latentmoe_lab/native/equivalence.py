@@ -95,6 +95,19 @@ def logical_parameters(module) -> dict[str, torch.Tensor]:
     return params
 
 
+def replica_spread(module) -> float:
+    """Max |replica - the expert's first replica| over every placed expert stack (0.0: replicas identical)."""
+    from latentmoe_lab.native.expert_placement import first_replicas, placed_layers
+
+    spread = 0.0
+    for prefix, phy2log in placed_layers(module).items():
+        first = first_replicas(phy2log, module.config.moe.num_experts)[phy2log]
+        for name in ("w13", "w2"):
+            whole = getattr(module.get_submodule(prefix), name).full_tensor()
+            spread = max(spread, float((whole - whole[first]).abs().max()))
+    return spread
+
+
 def layouts_worker(layouts: list[NativeLayout], settings: EquivalenceSettings, checkpoint: str,
                    placements: list | None = None) -> list[dict]:
     """On each rank, per layout: build from the checkpoint, forward the first batch, train; gathered tensors.
@@ -119,6 +132,7 @@ def layouts_worker(layouts: list[NativeLayout], settings: EquivalenceSettings, c
         steps = [trainer.step(ids) for ids in batches]
         params = logical_parameters(native.module)
         results.append({"logits": logits, "losses": [s["loss"] for s in steps],
+                        "replica_spread": replica_spread(native.module),
                         "grad_norms": [s["grad_norm"] for s in steps], "params": params})
     return results
 
@@ -156,7 +170,8 @@ def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = E
                             param_error, worst = error, name
                         compared += 1
                 extra = {"worst_param": worst, "grad_norms": results[0]["grad_norms"],
-                         "reference_grad_norms": ref_norms}
+                         "reference_grad_norms": ref_norms,
+                         "replica_spread": max(r["replica_spread"] for r in results)}
                 reports[i] = EquivalenceReport(layouts[i].name, logit_error, param_error, results[0]["losses"],
                                                ref_losses, compared, extra)
     return reports

@@ -15,8 +15,11 @@ an All-to-All over ep (`move_rows`): to disk, each logical expert from its first
 each slot from its expert. No rank holds more than its ep block of a stack (under FSDP2 the dp_shard
 pieces of that block are gathered for the move, and cut again after it).
 
-Training takes permutations only (P = E): a replicated expert's gradient would have to be summed over
-its replicas, and the replicas kept identical through the optimizer; NativeTrainer refuses replicas.
+Training: with a permutation (P = E) every slot's gradient is its expert's whole gradient. With replicas,
+each replica's gradient covers the tokens sent to it, so after backward `sum_replica_gradients` gives every
+replica the sum over its expert's replicas (`sum_rows` to the expert's owner, then `move_rows` back), AdamW
+then moves the replicas alike, and the clipping norm counts each expert once (`replica_copies`). That needs
+the gradients as plain ep blocks: NativeTrainer refuses replicas under FSDP2 on the experts (dp_shard > 1).
 """
 from __future__ import annotations
 
@@ -125,6 +128,62 @@ def move_rows(block: torch.Tensor, source: torch.Tensor, num_in_rows: int, group
     out = torch.empty_like(received)
     out[torch.argsort(wanted, stable=True).to(block.device)] = received
     return out
+
+
+def sum_rows(block: torch.Tensor, phy2log: torch.Tensor, num_experts: int, group) -> torch.Tensor:
+    """The inverse direction of move_rows, summing: slots to experts.
+
+    block [P / R, ...]: this rank's slots of a stack in slot order (phy2log [P]); returns this rank's block
+    [E / R, ...] of the [E, ...] stack whose row e is the sum of the rows of every slot holding expert e.
+    One All-to-All: each slot's row goes to the rank that owns its expert's row, which adds them up.
+    """
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    phy2log = phy2log.to(torch.int64).cpu()
+    per_slot, per_expert = len(phy2log) // ranks, num_experts // ranks
+    owner = phy2log // per_expert  # the rank that sums each slot's row
+    mine = owner[me * per_slot:(me + 1) * per_slot]
+    send_counts = torch.bincount(mine, minlength=ranks).tolist()
+    incoming = (owner == me).nonzero().squeeze(-1)  # slots whose rows come here, by sender (ascending)
+    recv_counts = torch.bincount(incoming // per_slot, minlength=ranks).tolist()
+    rows = block[torch.argsort(mine, stable=True).to(block.device)]
+    received = rows.new_empty(sum(recv_counts), *rows.shape[1:])
+    dist.all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=group)
+    out = received.new_zeros(per_expert, *rows.shape[1:])
+    return out.index_add_(0, (phy2log[incoming] - me * per_expert).to(block.device), received)
+
+
+def sum_replica_gradients(module: nn.Module) -> None:
+    """Every replica's gradient becomes the sum over all replicas of its expert (the expert's whole gradient),
+    so AdamW keeps the replicas identical. Gradients must be Shard(0) over ep alone (dp_shard = 1)."""
+    num_experts = module.config.moe.num_experts
+    for prefix, phy2log in placed_layers(module).items():
+        if len(phy2log.unique()) == len(phy2log):
+            continue  # a permutation: every gradient is already its expert's whole one
+        experts = module.get_submodule(prefix)
+        for name in EXPERT_STACKS:
+            grad = getattr(experts, name).grad
+            if grad is not None:
+                group = _ep_group(grad)
+                whole = sum_rows(grad.to_local(), phy2log, num_experts, group)
+                grad.to_local().copy_(move_rows(whole, phy2log, num_experts, group))
+
+
+def replica_copies(module: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """{expert stack with replicas: [P / R] float64, how many slots hold the expert of each of this rank's slots}:
+    a global gradient norm divides each slot's square by it, so an expert counts once."""
+    copies = {}
+    for prefix, phy2log in placed_layers(module).items():
+        counts = torch.bincount(phy2log)[phy2log].double()
+        if counts.max() == 1:
+            continue
+        experts = module.get_submodule(prefix)
+        for name in EXPERT_STACKS:
+            param = getattr(experts, name)
+            group = _ep_group(param)
+            per_rank = len(phy2log) // dist.get_world_size(group)
+            me = dist.get_rank(group)
+            copies[param] = counts[me * per_rank:(me + 1) * per_rank]
+    return copies
 
 
 def first_replicas(phy2log: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -4,7 +4,8 @@
     forward  model(ids, labels=ids): loss + aux; with pp > 1 a torch.distributed.pipelining
              schedule (GPipe / 1F1B) over micro-batches, the router losses riding on the activations
     grads    FSDP2 averages dense gradients over "data"; an expert's gradient already sums its ep
-             group's tokens (the All-to-All backward brings them), so it is divided by ep here
+             group's tokens (the All-to-All backward brings them), so it is divided by ep here;
+             under an EPLB placement with replicas, first summed over each expert's replicas
     clip     the global gradient norm over every placement (and every pipeline stage)
     update   AdamW on the DTensor parameters; then the routing-bias update from the expert counts
              summed over "data" (each stage updates its own layers)
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import causal_lm_loss
 from latentmoe_lab.native.build import NativeModel, expert_params
-from latentmoe_lab.native.expert_placement import has_replicas
+from latentmoe_lab.native.expert_placement import has_replicas, replica_copies, sum_replica_gradients
 from latentmoe_lab.native.stage import named_blocks
 
 
@@ -63,13 +64,22 @@ class ExpertCounts:
 def clip_global_norm(native: NativeModel, max_norm: float) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before clipping."""
     squares = torch.zeros((), dtype=torch.float64, device=native.device)
+    copies = replica_copies(native.module)  # replicated expert stacks: each expert's gradient counted once
     for param in native.module.parameters():
-        if param.grad is not None:
-            norm = torch.linalg.vector_norm(param.grad.float())
+        if param.grad is None:
+            continue
+        if param in copies:
+            local = param.grad.to_local().double()
+            square = (local.pow(2).flatten(1).sum(1) / copies[param].to(local.device)).sum()
+            dist.all_reduce(square, group=param.device_mesh.get_group())
+            squares += square
+        else:
+            # at least fp32, fp64 for fp64 gradients (the equivalence checks compare the norm itself)
+            norm = torch.linalg.vector_norm(param.grad.to(torch.promote_types(param.grad.dtype, torch.float32)))
             squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
     if native.layout.pp > 1:
         dist.all_reduce(squares, group=native.mesh["pp"].get_group())
-    total = squares.sqrt().float()
+    total = squares.sqrt()  # fp64, like the squares: an fp32 norm would round the clipping of fp64 weights
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for param in native.module.parameters():
         if param.grad is not None:
@@ -85,9 +95,10 @@ class NativeTrainer:
 
     def __init__(self, native: NativeModel, lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0,
                  betas: tuple[float, float] = (0.9, 0.999)):
-        if has_replicas(native.module):
-            raise ValueError("placement: the native trainer takes placements without replicas (P = E slots, a "
-                             "permutation); a replicated expert's gradient would have to be summed over its replicas")
+        if has_replicas(native.module) and native.layout.dp_shard > 1:
+            raise ValueError("placement: the native trainer takes replicas only with dp_shard = 1 (their gradients "
+                             "are summed over ep blocks; FSDP2 shards the experts over dp_shard): use a "
+                             f"permutation (P = E slots) or dp_shard = 1, got dp_shard = {native.layout.dp_shard}")
         self.native, self.grad_clip = native, grad_clip
         native.reshard()  # the optimizer must hold the sharded parameters, not a gathered copy
         params = list(native.module.parameters())
@@ -104,6 +115,7 @@ class NativeTrainer:
         native.module.train()
         ids = local_rows(native, batch).to(native.device)
         loss = self._forward_backward(ids)
+        sum_replica_gradients(native.module)
         if native.layout.ep > 1:
             for param in self.experts:
                 if param.grad is not None:
