@@ -125,7 +125,9 @@ class Scheduler:
         members = [seq for seq in self.running if seq.isolation_group == cohort]
         for seq in members:  # 1. decodes
             if seq.status is Status.RUNNING and not seq.in_prefill and budget > 0:
-                del seq.draft_ids[budget - 1:]  # the drafts the budget leaves room for
+                # the drafts the budget and the free blocks leave room for: nobody is preempted for a guess
+                room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.block_size - seq.num_computed
+                del seq.draft_ids[max(0, min(budget, room) - 1):]
                 if self._make_room(seq, 1 + len(seq.draft_ids), scheduled, batch):
                     batch.entries.append((seq, 1 + len(seq.draft_ids)))
                     scheduled.add(seq.request_id)
