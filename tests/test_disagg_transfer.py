@@ -119,7 +119,8 @@ def test_1p1d_equals_colocated_and_the_model(model, prompts, kv_cache_dtype, spe
     """With speculative decoding on both sides too: the decode side's sequences take their K spare slots."""
     colocated = Engine(model, service(kv_cache_dtype))
     expected = [o.token_ids for o in colocated.generate(prompts, PARAMS, use_tqdm=False)]
-    assert expected == [reference_tokens(model, p, kv_cache_dtype) for p in prompts]
+    if speculative is None:  # the fp8 case without drafts checks the same reference
+        assert expected == [reference_tokens(model, p, kv_cache_dtype) for p in prompts]
     prefill, decode_engine = (Engine(model, service(kv_cache_dtype, speculative)),
                               Engine(model, service(kv_cache_dtype, speculative)))
     outputs, transfers = run_1p1d(prefill, decode_engine, prompts)
