@@ -267,3 +267,99 @@ print(f"per token, all DSA layers: latent {latent_only} B, + indexer {fp8['dsa_i
       f"(+{fp8['dsa_index'] / latent_only:.0%})")
 print(f"latent-only plan of {format_bytes(budget)}: {tokens_planned:,.0f} tokens, which really need "
       f"{format_bytes(tokens_planned * with_index)}: {format_bytes(tokens_planned * with_index - budget)} over")
+
+# %% [markdown]
+# ## 8. A host tier for the DSA rows, and the 1M-token decode roofline
+#
+# A decode step of a DSA layer scores every index key but attends over only its top-k latent rows. With
+# `memory.offload` (docs/design.md §15.1) the latent rows live in host memory and each running sequence
+# keeps `hot_rows_per_layer` of them on the device: the top-k selection is swapped in before attention,
+# rows already hot are not moved. Below, one engine with the tier and one without serve the same prompts;
+# the tokens must agree, and the device keeps only the index keys, the hot buffers and the KDA slots.
+
+# %%
+from latentmoe_lab.parallel.config import ParallelConfig
+from latentmoe_lab.parallel.hardware import HARDWARE
+from latentmoe_lab.parallel.planner import EXAMPLE_LAYOUTS
+from latentmoe_lab.parallel.roofline import decode_roofline, decode_roofline_text
+from latentmoe_lab.serving.offload_plan import request_tier_text
+
+HOT_ROWS = 2 * config.indexer.topk
+
+
+def offload_service(hot_rows=HOT_ROWS):
+    plain = service(max_model_len=LONG_PROMPT + 64, cache_bytes=4_000_000, max_num_seqs=2)
+    return ServiceConfig.from_dict(plain.to_dict() | {"memory": plain.to_dict()["memory"] | {
+        "offload": {"host_cache_bytes": 4_000_000, "hot_rows_per_layer": hot_rows}}})
+
+
+tier_prompts = [torch.randint(0, config.vocab_size, (n,)).tolist() for n in (LONG_PROMPT, 40)]
+tier_params = SamplingParams(max_tokens=NEW_TOKENS)
+plain_tokens = [o.token_ids for o in Engine(model, service(max_model_len=LONG_PROMPT + 64, max_num_seqs=2))
+                .generate(tier_prompts, tier_params, use_tqdm=False)]
+tiered = Engine(model, offload_service())
+tier_tokens = [o.token_ids for o in tiered.generate(tier_prompts, tier_params, use_tqdm=False)]
+print("same tokens with and without the host tier:", tier_tokens == plain_tokens)
+print(tiered.plan.table())
+print({kind: format_bytes(value) for kind, value in tiered.pools.nbytes().items()})
+print(tiered.pools.stats())
+
+# %% [markdown]
+# Bytes moved per decode step against the context length: one request at a time, 16 decode steps each,
+# the rows swapped into the hot buffer per step after the first (which fills it). A selection that moves
+# little from one token to the next moves few rows; the top-k line is the worst case (every row new).
+
+# %%
+contexts = [128, 512] if SMOKE else [256, 1024, 2048, 4000]
+moved_per_step = {}
+for context in contexts:
+    engine = Engine(model, offload_service())
+    engine.add_request(torch.randint(0, config.vocab_size, (context,)).tolist(), SamplingParams(max_tokens=17))
+    engine.step()
+    while engine.scheduler.num_unfinished and engine.pools.stats()["rows_moved"] == 0:
+        engine.step()  # the prompt's chunks, up to the first decode (it fills the hot buffer)
+    counts = []
+    while engine.scheduler.num_unfinished:
+        before = engine.pools.stats()["rows_moved"]
+        engine.step()
+        counts.append(engine.pools.stats()["rows_moved"] - before)
+    moved_per_step[context] = sum(counts) / max(1, len(counts))
+row_bytes = tiered.pools.layers[config.layer_types.index("dsa")].hot.row_bytes
+topk_rows = config.num_dsa_layers * config.indexer.topk
+for context, rows in moved_per_step.items():
+    print(f"context {context:>5}: {rows:5.1f} of {topk_rows} top-k rows moved per decode step "
+          f"({rows * row_bytes:,.0f} bytes)")
+
+import plotly.graph_objects as go
+
+figure = go.Figure([go.Scatter(x=list(moved_per_step), y=[r * row_bytes for r in moved_per_step.values()],
+                               mode="lines+markers", name="moved into hot buffers"),
+                    go.Scatter(x=list(moved_per_step), y=[topk_rows * row_bytes] * len(moved_per_step),
+                               mode="lines", name="every top-k row (no reuse)", line={"dash": "dot"})])
+figure.update_layout(title="Host -> device bytes per decode step (tiny preset)", xaxis_title="context tokens",
+                     yaxis_title="bytes per step", height=380)
+figure.show()
+
+# %% [markdown]
+# At full scale: one 1M-token request's bytes on each tier (fp8, hot buffers of 2 x top-k rows), then the
+# decode roofline of one token at 1M on H200 for the serving layout of the write-ups, with and without the
+# host tier (the swap priced at PCIe Gen5 x16 for every top-k row: the upper bound), and with index sharing.
+# The indexer's scan of every key is the cost that grows with the context; the top-k rows are 1% of it.
+
+# %%
+print(request_tier_text(full, 1_000_000))
+h200 = HARDWARE["H200-141GB"]
+serving_layout = next(p for name, (p, _) in EXAMPLE_LAYOUTS.items() if "serving" in name)
+for swap, shared in ((None, 1), (1.0, 1), (None, 2)):
+    print(decode_roofline_text(full.replace(dsa={"index_share_every": shared}), serving_layout, h200,
+                               2 ** 20, swap_fraction=swap))
+
+# %%
+layouts = {name.split(" (")[0]: p for name, (p, _) in EXAMPLE_LAYOUTS.items()}
+parts = {name: decode_roofline(full, p, h200, 2 ** 20) for name, p in layouts.items()}
+figure = go.Figure([go.Bar(name=part, x=list(parts), y=[rows[part]["seconds"] * 1e3 for rows in parts.values()])
+                    for part in next(iter(parts.values())) if part != "total"
+                    and any(rows[part]["layers"] for rows in parts.values())])
+figure.update_layout(barmode="stack", title="One decode token at 1M context, k3-2.8t on H200: ms by part",
+                     yaxis_title="ms per token (one sequence)", height=420)
+figure.show()
