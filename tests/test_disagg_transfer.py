@@ -260,6 +260,9 @@ def test_mismatched_checkpoint_or_cache_dtype_is_refused(model):
     other = LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
     with pytest.raises(ValueError, match=r"^model \(the checkpoint"):
         import_request(Engine(other, service("fp8")), cache)
+    cache.kda_state = cache.kda_state[:, :1]  # a payload whose tensors do not fit its own prompt: named
+    with pytest.raises(ValueError, match=r"^kda_state: expected \(3, 2, 16, 16\) torch.float32 for 18 tokens"):
+        import_request(Engine(model, service("fp8")), cache)
 
 
 def test_export_boundary_release_and_room(model):
