@@ -24,7 +24,8 @@
 # 5. preemption when blocks run out, prefix hits that skip recomputation, and logits that are bit for bit
 #    independent of the batch;
 # 6. the full-scale table: one 1M-token sequence in bf16 and fp8 against the public GQA example;
-# 7. why the indexer cache must be counted.
+# 7. why the indexer cache must be counted;
+# 8. a host tier for the DSA rows (top-k swapped into device hot buffers) and the 1M-token decode roofline.
 #
 # The engine runs the tiny preset here (every step is a real model forward on a CPU); the full-scale
 # numbers come from the planner, which allocates nothing.
