@@ -22,6 +22,9 @@ this module). A format is any object with
 
 The pools are an inference cache: writes store detached values and no gradient flows through them.
 `paged_pool_bytes` counts the same bytes without allocating; the serving planner sizes from it.
+A DSA layer that reuses another layer's top-k selection (dsa.index_share_every > 1) keeps no index keys: its
+index storage has 0 blocks. offload_tier.OffloadedPools overrides `_dsa_pool` to put the latent rows in a
+host tier (docs/design.md §15.1).
 """
 from __future__ import annotations
 
