@@ -158,3 +158,18 @@ def test_offload_plan_and_the_one_million_token_figures():
     shared = decode_roofline(config.replace(dsa={"index_share_every": 2}), ParallelConfig(tp=8, ep=8, pp=2),
                              HARDWARE["H200-141GB"])
     assert shared["indexer scan"]["layers"] == 12 and shared["total"]["seconds"] < rows["total"]["seconds"]
+
+
+def test_plan_service_prints_the_tiers_and_the_roofline():
+    from latentmoe_lab.serving.service_plan import service_plan_text
+
+    service = ServiceConfig.from_dict({
+        "model": {"max_model_len": 1048576, "dtype": "fp8"},
+        "parallel": {"tensor_parallel_size": 8, "expert_parallel_size": 8, "pipeline_parallel_size": 2},
+        "memory": {"kv_cache_dtype": "fp8", "max_num_seqs": 8,
+                   "offload": {"host_cache_bytes": 400_000_000_000, "hot_rows_per_layer": 4096}},
+        "scheduler": {"max_batch_size": 64, "prefill_chunk_size": 8192}})
+    text = service_plan_text(service, ModelConfig.from_preset("k3-2.8t"))
+    assert "host tier: dsa_latent (not in total)" in text and "dsa_hot_buffers" in text  # the per-device plan
+    assert "host: dsa_latent                16.51 GB" in text  # 24 layers x 2^20 x 656 B
+    assert "indexer scan             24     3.32 GB" in text and "host -> hot swap" in text
