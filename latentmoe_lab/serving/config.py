@@ -26,6 +26,9 @@ Six sections, the keys of the public example first, then ours where the example 
       group_timeout_s       float  ours: seconds in [0.1, 3600], the timeout of every worker process group
                                    (default 30.0): a rank that hangs is detected within it, so a pipeline
                                    stage's part of a step must finish within it (its successor waits so long)
+      role                  str    ours: colocated (default: one engine prefills and decodes) | prefill |
+                                   decode (an instance of a disaggregated service; `serve` sets it on the
+                                   instances it starts from the disaggregation: section)
     memory:
       kv_cache_dtype        str    auto (= model dtype) | fp32 | bf16 | fp16 | fp8: the MLA latent pool
       gpu_memory_utilization float in (0, 1]: share of device memory for weights + caches (plan-service)
@@ -40,6 +43,9 @@ Six sections, the keys of the public example first, then ours where the example 
       prefix_snapshot_slots int    ours: KDA snapshot slots for prefix caching (default max_num_seqs when on, else 0)
       device                str    ours: hardware of plan-service, a key of parallel.hardware.HARDWARE
                                    (default H200-141GB)
+      offload               map    ours: DSA latent rows in a host tier, top-k rows swapped into a device
+                                   hot buffer per sequence (host_cache_bytes, hot_rows_per_layer; absent:
+                                   off; serving/offload_section.py lists the keys, docs/design.md §15.1)
     scheduler:
       max_batch_size        int    requests held, waiting + running; past it a request is refused ("queue full")
       chunked_prefill       bool   false: a prompt is prefilled whole in one step (it may overrun the budget)
@@ -65,6 +71,15 @@ Six sections, the keys of the public example first, then ours where the example 
       num_speculative_tokens int   K, draft tokens per step and sequence, 1..8 (required with method)
       prompt_lookup_min     int    ngram only: the shortest suffix matched, >= 1 (default 1)
       prompt_lookup_max     int    ngram only: the longest, >= prompt_lookup_min (default 4)
+    disaggregation:                ours: prefill/decode disaggregation (serving/disagg/, docs/design.md §13;
+                                   absent: one colocated engine)
+      prefill_instances     int    prefill instance processes, >= 1
+      decode_instances      int    decode instance processes, >= 1
+      transport             str    pipe: a Unix socket pair per instance, through the router (loopback only)
+      prefill, decode       map    per-role overrides of model / parallel / memory / scheduler keys
+                                   ({memory: {cache_bytes: ...}}); weights and cache dtype must agree
+    prefix_cache:                  ours: evicted prefix-cache blocks spill to host and disk (absent: off;
+                                   serving/prefix_spill_section.py lists the keys, docs/design.md §15.3)
 
 A file is read by latentmoe_lab/yaml_loader.py (no anchors, aliases, tags or duplicate keys; ints are
 plain decimals; errors name the file, line and column). A section may be left empty (`memory:` alone:
@@ -82,11 +97,15 @@ from pathlib import Path
 from typing import Any
 
 from latentmoe_lab.config_fields import check_field_types, describe, key_name
+from latentmoe_lab.serving.offload_section import OffloadSection, offload_section
+from latentmoe_lab.serving.prefix_spill_section import PrefixCacheSection, check_prefix_cache
 from latentmoe_lab.serving.spec.section import SpeculativeSection, check_speculative
 from latentmoe_lab.yaml_loader import errors_name_file, file_label, read_yaml_file
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
+ROLES = ("colocated", "prefill", "decode")
+TRANSPORTS = ("pipe",)
 MIN_MODEL_LEN = 2  # one prompt token and one generated token
 MIN_GROUP_TIMEOUT_S = 0.1  # shorter, and a worker group cannot even form (gloo's rendezvous takes longer)
 MAX_LOG_RECORDS = 1_000_000  # Engine.log's records take a few hundred bytes each: a few hundred MB at most
@@ -111,6 +130,7 @@ class ParallelSection:
     forward_process: bool = False
     forward_threads: int = 0
     group_timeout_s: float = 30.0
+    role: str = "colocated"
 
 
 @dataclass
@@ -124,6 +144,10 @@ class MemorySection:
     enable_prefix_caching: bool = False
     prefix_snapshot_slots: int | None = None
     device: str = "H200-141GB"
+    offload: OffloadSection | None = None  # DSA latent rows in a host tier (serving/offload_section.py)
+
+    def __post_init__(self) -> None:
+        self.offload = offload_section(self.offload)  # a mapping from the file -> a checked OffloadSection
 
     @property
     def snapshot_slots(self) -> int:
@@ -152,8 +176,22 @@ class EplbSection:
     layers_per_step: int = 1
 
 
+@dataclass
+class DisaggregationSection:
+    prefill_instances: int = 0  # 0 and 0: the section is absent, one colocated engine serves
+    decode_instances: int = 0
+    transport: str = "pipe"
+    prefill: dict | None = None  # {section: {key: value}} overriding the file for the prefill instances
+    decode: dict | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_instances > 0 or self.decode_instances > 0
+
+
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
-            "scheduler": SchedulerSection, "eplb": EplbSection, "speculative": SpeculativeSection}
+            "scheduler": SchedulerSection, "eplb": EplbSection, "speculative": SpeculativeSection,
+            "prefix_cache": PrefixCacheSection, "disaggregation": DisaggregationSection}
 
 
 @dataclass
@@ -164,6 +202,8 @@ class ServiceConfig:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     eplb: EplbSection = field(default_factory=EplbSection)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    disaggregation: DisaggregationSection = field(default_factory=DisaggregationSection)
+    prefix_cache: PrefixCacheSection = field(default_factory=PrefixCacheSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServiceConfig":
@@ -252,9 +292,28 @@ class ServiceConfig:
         _check(not e.enabled or p.expert_parallel_size > 1, "eplb.enabled",
                "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
         check_speculative(self.speculative)
+        self._check_roles()
+        check_prefix_cache(self.prefix_cache, mem, p)
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")
+
+    def _check_roles(self) -> None:
+        """parallel.role and the disaggregation: section; each role's instance config (its overrides, the
+        same weights and cache dtype, a decode cache that holds one request) is checked by serving/disagg."""
+        role, d = self.parallel.role, self.disaggregation
+        _choice("parallel.role", role, ROLES)
+        if not d.enabled:
+            _check(role == "colocated", "parallel.role", f"{role!r} needs the disaggregation: section (a "
+                   f"prefill instance hands its requests to a decode instance)")
+            return
+        for key in ("prefill_instances", "decode_instances"):
+            _positive_int(f"disaggregation.{key}", getattr(d, key))
+        _choice("disaggregation.transport", d.transport, TRANSPORTS)
+        if role == "colocated":  # the service file; its instances' configs carry their role and no overrides
+            from latentmoe_lab.serving.disagg.service_config import check_role_configs  # lazy: builds on this
+
+            check_role_configs(self)
 
     @property
     def cache_dtype(self) -> str:

@@ -38,7 +38,6 @@ from tqdm.auto import tqdm
 from latentmoe_lab.finite import first_non_finite
 from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder, moe_layers
 from latentmoe_lab.parallel.eplb_serving import OnlineBalancer
-from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.failures import StepError, settle_failed_step
 from latentmoe_lab.serving.inputs import prompt_inputs
@@ -49,6 +48,7 @@ from latentmoe_lab.serving.model_runner import ModelRunner, record_prompt_logpro
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
 from latentmoe_lab.serving.pipeline_stage import plan_stages
 from latentmoe_lab.serving.planner import allocate_pools, plan_cache, with_cache_budget
+from latentmoe_lab.serving.prefix_spill import block_manager_for, flush_spill, spill_stats
 from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
@@ -100,8 +100,7 @@ class Engine:
         self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
         self.plan = plan_cache(self.model_config, cfg) if layout is None else self.stages[0].plan
         self.pools = None if layout is not None else allocate_pools(self.model_config, self.plan, device)
-        self.block_manager = BlockManager(self.plan.num_blocks, cfg.memory.block_size, self.plan.num_slots,
-                                          self.plan.num_snapshots, cfg.memory.enable_prefix_caching)
+        self.block_manager = block_manager_for(model, cfg, self.plan, self.pools)  # with a prefix_cache: spill
         self.log = MetricsLog(cfg.scheduler.max_log_records)
         self._sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -297,10 +296,9 @@ class Engine:
         self.runner.restart()
 
     def _fresh_block_manager(self) -> None:
-        """Empty bookkeeping of the same pools: no block or slot held, no prefix cached."""
-        old = self.block_manager
-        self.block_manager = self.scheduler.blocks = BlockManager(
-            old.num_blocks, old.block_size, old.num_slots, old.num_snapshots, old.enable_prefix_caching)
+        """Empty bookkeeping of the same pools: no block or slot held, no prefix cached on the device (a
+        prefix-cache spill keeps its host and disk tiers: their entries are the same model's)."""
+        self.block_manager = self.scheduler.blocks = self.block_manager.emptied()
 
     def reset(self) -> list[RequestOutput]:
         """Abort every request and forget the prefix cache: an empty engine on the same weights and pools.
@@ -328,7 +326,9 @@ class Engine:
         return outputs
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel engine (nothing to stop in one process)."""
+        """Stop the worker processes of a parallel engine (nothing to stop in one process); with a disk
+        prefix-cache spill, write the device's and host's cached prefixes there for the next engine."""
+        flush_spill(self.block_manager)
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()
 
@@ -417,7 +417,7 @@ class Engine:
                 "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", [])),
                 "rank_resident_bytes": list(getattr(self.runner, "rank_resident_bytes", [])),
                 **spec_stats(self.speculator),  # speculative decoding: drafts verified, accepted, per position
-                **self._expert_stats()}
+                **self._expert_stats(), **spill_stats(bm)}
 
     def _expert_stats(self) -> dict:
         """Balancedness of the recorder's window over the EP ranks (with EPLB's current slots) and the
