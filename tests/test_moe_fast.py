@@ -102,3 +102,14 @@ def test_bad_shapes_are_refused_naming_the_argument():
         grouped_experts.grouped_swiglu_experts(z, torch.tensor([4] + [0] * 7), experts.w13, experts.w2)
     with pytest.raises(ValueError, match="^z:"):
         grouped_experts.grouped_swiglu_experts(z.double(), torch.tensor([5] + [0] * 7), experts.w13, experts.w2)
+
+
+def test_frozen_experts_pass_the_input_gradient_only():
+    """Weights without requires_grad (frozen experts): the input gradient still equals the twin's."""
+    experts = _experts()
+    experts.requires_grad_(False)
+    counts = torch.tensor(RAGGED["ragged"])
+    z = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    (fast,), (twin,) = _grads(experts(z, counts), [z]), _grads(experts.forward_reference(z, counts), [z])
+    torch.testing.assert_close(fast, twin, **TOL)
+    assert experts.w13.grad is None and experts.w2.grad is None

@@ -102,10 +102,12 @@ class _GroupedSwiGLUExperts(torch.autograd.Function):
             offs, grad_y_tile, tile_w13, tile_w2 = offsets[first:stop], grad_y[row:row + rows], w13[first:stop], w2[first:stop]
             grad_pre = _activation_backward(pre, torch._grouped_mm(grad_y_tile, tile_w2.transpose(1, 2), offs=offs),
                                             ctx.clamp)
-            grad_w2.append(torch._grouped_mm(_activation(pre, ctx.clamp).t(), grad_y_tile, offs=offs))
-            grad_w13.append(torch._grouped_mm(z[row:row + rows].t(), grad_pre, offs=offs))
+            if ctx.needs_input_grad[2]:
+                grad_w2.append(torch._grouped_mm(_activation(pre, ctx.clamp).t(), grad_y_tile, offs=offs))
+            if ctx.needs_input_grad[1]:
+                grad_w13.append(torch._grouped_mm(z[row:row + rows].t(), grad_pre, offs=offs))
             grad_z.append(torch._grouped_mm(grad_pre, tile_w13.transpose(1, 2), offs=offs))
-        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+        join = lambda parts: None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
         return join(grad_z), join(grad_w13), join(grad_w2), None, None, None
 
 
