@@ -42,7 +42,9 @@ from latentmoe_lab.training.resume import ResumePoint, history_from, prepare_res
 CHECKPOINT_DIR = "checkpoint"
 
 # Defaults of `latentmoe-lab train` per preset: (steps, global batch, seq_len, lr, warmup).
-# mini: sized so that 2 CPU cores reach <= 3.0 held-out bits per byte in 10 minutes (see RESULTS.md).
+# mini: sized so that 2 CPU cores reach <= 3.0 held-out bits per byte in 10 minutes (see RESULTS.md). Its
+# 8 x 128 batch stays: 16 x 128, 8 x 256 and 16 x 256 ran at the same tokens/s within 5% and 32 x 128 and
+# 64 x 64 slower (one thread, RESULTS.md "Training speed"): the step is per-token work, not per-op overhead.
 PRESET_DEFAULTS = {
     "tiny": dict(steps=200, batch=8, seq_len=128, lr=3e-3, warmup=20),
     "mini": dict(steps=450, batch=8, seq_len=128, lr=3e-3, warmup=30),
