@@ -130,9 +130,12 @@ def transfers(worker: DisaggWorker, records: list[dict]) -> dict:
 def main() -> None:
     parser = make_parser(__doc__, None, full_doc=True)
     parser.add_argument("--gap", type=float, default=None, help="seconds between arrivals (default: the shape's)")
+    parser.add_argument("--long-tokens", type=int, default=None,
+                        help="tokens of a long prompt (default: the shape's, 8192; fewer on a busy machine)")
     args = parser.parse_args()
     shape = dict(QUICK if args.quick else FULL)
     shape["gap_s"] = args.gap or shape["gap_s"]
+    shape["long_tokens"] = args.long_tokens or shape["long_tokens"]
     torch.set_num_threads(1)  # this process only routes; the forwards run in their processes
     requests = workload(shape)
     max_model_len = shape["long_tokens"] + shape["new_tokens"] + 64
