@@ -9,13 +9,13 @@ plan_step_bytes exactly.
 
     python benchmarks/bench_native.py              # tiny, global batch 8 x 64, 2 warm-up + 3 timed steps
     python benchmarks/bench_native.py --quick      # 1 + 1 steps, batch 4 x 32: checks the harness
-    python benchmarks/bench_native.py --eplb       # EP2 and EP4 before / after an EPLB placement (below)
+    python benchmarks/bench_native.py --eplb       # EP2 and EP4 before / after EPLB placements (below)
 
 --eplb: skewed traffic (the routing bias of experts 0-3, which the contiguous layout puts on ep rank 0 of
 EP2 and ranks 0-1 of EP4, raised by 0.5 in every MoE layer, so nearly every token picks two of them). Per
 layout, from one checkpoint (tiny: 8 experts, top-2): train with the contiguous experts, rebalance_experts
-on the step counts of the warm-up (a permutation: the native trainer takes no replicas), then train again
-with the experts in that placement. Each phase: the
+on the step counts of the warm-up, then train again (same batches) with the experts in that placement: E
+slots (a permutation), then E + ep slots (one replica slot per rank). Each phase: the
 (token, expert) pairs each ep rank's experts computed over the timed steps, the step time, and whether the
 planned All-to-All bytes (which follow the placement) equal the measured ones.
 
@@ -124,7 +124,7 @@ def _timed_phase(native, batches: list[torch.Tensor], warmup: int) -> dict:
         dist.barrier()
         start = time.perf_counter()
         with CollectiveMeter() as meter, RoutingRecorder(native.module) as routing:
-            trainer.step(ids)
+            loss = trainer.step(ids)["loss"]
         dist.barrier()
         each_s.append(time.perf_counter() - start)
         calls = routing.gathered(native.mesh["ep"])
@@ -133,12 +133,16 @@ def _timed_phase(native, batches: list[torch.Tensor], warmup: int) -> dict:
         planned = dict(plan_step_bytes(native, layout, calls))
         exact = planned == {k: n for k, n in meter.bytes.items() if k.startswith(PLANNED) and n}
     return {"warmup_counts": counts, "pairs_per_rank": pairs.tolist(), "step_s": sum(each_s) / len(each_s),
-            "min_step_s": min(each_s), "plan_exact": exact}
+            "min_step_s": min(each_s), "plan_exact": exact, "final_loss": loss}
+
+
+PHASES = ("contiguous", "balanced", "balanced + 1 redundant slot per rank")
 
 
 def eplb_worker(layout: NativeLayout, checkpoint: str, preset: str, batch: int, seq_len: int, warmup: int,
                 steps: int, threads: int) -> dict:
-    """Before: contiguous experts; after: the placement rebalance_experts draws from the before-warm-up counts."""
+    """PHASES: contiguous experts; then the placements rebalance_experts draws from the contiguous phase's
+    warm-up counts, with E slots (a permutation) and with E + ep slots (one replica slot per rank)."""
     from latentmoe_lab.native.build import build_native
     from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.parallel.eplb import rebalance_experts
@@ -150,12 +154,13 @@ def eplb_worker(layout: NativeLayout, checkpoint: str, preset: str, batch: int, 
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, config.vocab_size, (batch, seq_len), generator=generator)
                for _ in range(warmup + steps)]
-    before = _timed_phase(build_native(config, layout, build_mesh(layout), checkpoint), batches, warmup)
-    placement = rebalance_experts(before["warmup_counts"].double(), config.moe.num_experts, 1, 1, layout.ep,
-                                  refine=True)[0]
-    after = _timed_phase(build_native(config, layout, build_mesh(layout), checkpoint, placement=placement),
-                         batches, warmup)
-    return {"before": before, "after": after, "placement": placement}
+    results = {PHASES[0]: _timed_phase(build_native(config, layout, build_mesh(layout), checkpoint), batches, warmup)}
+    counts = results[PHASES[0]]["warmup_counts"].double()
+    for phase, slots in zip(PHASES[1:], (config.moe.num_experts, config.moe.num_experts + layout.ep)):
+        placement = rebalance_experts(counts, slots, 1, 1, layout.ep, refine=True)[0]
+        native = build_native(config, layout, build_mesh(layout), checkpoint, placement=placement)
+        results[phase] = _timed_phase(native, batches, warmup) | {"placement": placement}
+    return results
 
 
 def run_eplb(preset: str, batch: int, seq_len: int, warmup: int, steps: int, threads: int) -> list[dict]:
@@ -169,18 +174,20 @@ def run_eplb(preset: str, batch: int, seq_len: int, warmup: int, steps: int, thr
         for name, layout in EPLB_LAYOUTS.items():
             ranks = launch(eplb_worker, layout.world_size, timeout_s=900,
                            args=(layout, tmp, preset, batch, seq_len, warmup, steps, threads))
-            for phase in ("before", "after"):
+            for phase in PHASES:
                 pairs = ranks[0][phase]["pairs_per_rank"]
+                placement = ranks[0][phase].get("placement")
                 rows.append({"layout": name, "phase": phase, "pairs_per_rank": pairs,
                              "mean_over_max": sum(pairs) / len(pairs) / max(pairs),
                              "step_s": max(r[phase]["step_s"] for r in ranks),
                              "min_step_s": max(r[phase]["min_step_s"] for r in ranks),
                              "planned_equals_measured": all(r[phase]["plan_exact"] for r in ranks),
-                             "placement": ranks[0]["placement"].tolist() if phase == "after" else None})
+                             "final_loss": ranks[0][phase]["final_loss"],
+                             "placement": None if placement is None else placement.tolist()})
     for row in rows:
-        print(f"{row['layout']:4s} {row['phase']:6s} pairs per rank {row['pairs_per_rank']}  mean/max "
+        print(f"{row['layout']:4s} {row['phase']:38s} pairs per rank {row['pairs_per_rank']}  mean/max "
               f"{row['mean_over_max']:.3f}  step {row['step_s'] * 1e3:.0f} ms (min {row['min_step_s'] * 1e3:.0f})  "
-              f"plan==measured {row['planned_equals_measured']}")
+              f"plan==measured {row['planned_equals_measured']}  loss {row['final_loss']:.6f}")
     return rows
 
 

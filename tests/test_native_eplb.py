@@ -168,8 +168,13 @@ def _checkpoint_worker(reference: str, saved: str, settings: EquivalenceSettings
     replicated = build_native(CONFIG, layout, build_mesh(layout), reference, dtype=dtype, placement=REPLICATED)
     load_sharded(replicated, saved)
     replicated_logits = native_logits(replicated, batches[1])
+    with CollectiveMeter() as meter, RoutingRecorder(replicated.module) as routing:
+        NativeTrainer(replicated, lr=settings.lr).step(batches[1])  # with the replicas' gradient sums
+    planned_replicated = plan_step_bytes(replicated, layout, routing.gathered(replicated.mesh["ep"]))
+    measured_replicated = {kind: n for kind, n in meter.bytes.items() if kind.startswith(("fsdp.", "ep.")) and n}
     error = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a)  # noqa: E731
-    return {"rows_ok": rows_ok, "planned": dict(planned), "measured": measured, "trained_logits": trained_logits, "trained": trained,
+    return {"rows_ok": rows_ok, "planned": dict(planned), "measured": measured,
+            "planned_replicated": dict(planned_replicated), "measured_replicated": measured_replicated, "trained_logits": trained_logits, "trained": trained,
             "load_error": error(loaded, trained), "resume_error": error(resumed_after_two, after_two),
             "replicated_logit_error": float((replicated_logits - trained_logits).abs().max())}
 
@@ -183,6 +188,7 @@ def test_checkpoints_map_between_placements_and_the_plain_model(tmp_path):
         assert result["rows_ok"]
         # the All-to-All bytes follow the placement: planned from the routing, equal to the measured ones
         assert result["planned"]["ep.all_to_all.rows"] > 0 and result["planned"] == result["measured"]
+        assert result["planned_replicated"] == result["measured_replicated"]
         assert result["load_error"] == 0.0              # placement A -> disk -> placement B: bit for bit
         assert result["resume_error"] <= 1e-12          # the optimizer state followed its experts
         assert result["replicated_logit_error"] <= 1e-10

@@ -23,6 +23,8 @@ the gradients as plain ep blocks: NativeTrainer refuses replicas under FSDP2 on 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -166,6 +168,22 @@ def sum_replica_gradients(module: nn.Module) -> None:
                 group = _ep_group(grad)
                 whole = sum_rows(grad.to_local(), phy2log, num_experts, group)
                 grad.to_local().copy_(move_rows(whole, phy2log, num_experts, group))
+
+
+def replica_gradient_bytes(module: nn.Module, rank: int, ep: int) -> int:
+    """Bytes ep rank `rank` sends to other ranks in one sum_replica_gradients: sum_rows, then move_rows back."""
+    total = 0
+    num_experts = module.config.moe.num_experts
+    for prefix, phy2log in placed_layers(module).items():
+        if len(phy2log.unique()) == len(phy2log):
+            continue
+        owner = phy2log // (num_experts // ep)  # the rank summing each slot's row
+        holder = torch.arange(len(phy2log)) // (len(phy2log) // ep)  # the rank holding each slot
+        rows = int(((holder == rank) & (owner != rank)).sum() + ((owner == rank) & (holder != rank)).sum())
+        for name in EXPERT_STACKS:
+            param = getattr(module.get_submodule(prefix), name)
+            total += rows * math.prod(param.shape[1:]) * param.element_size()
+    return total
 
 
 def replica_copies(module: nn.Module) -> dict[nn.Parameter, torch.Tensor]:

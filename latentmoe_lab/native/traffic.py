@@ -16,7 +16,8 @@ Counting convention, per rank, per call (the same as parallel/comm.py for the ha
 Kinds, by the function called (in this package each one has a single caller):
     fsdp.all_gather / fsdp.reduce_scatter    dist.all_gather_single / reduce_scatter_single (FSDP2)
     ep.all_to_all.{counts,ids,rows}          dist.all_to_all_single (expert.py), told apart by dtype:
-                                             int64 row counts, int32 expert ids, float token rows
+                                             int64 row counts, int32 expert ids, float token rows (and
+                                             the replicas' gradient sums, expert_placement.py)
     all_reduce, all_gather, broadcast        dist.* (the train step's bias counts and loss, logits)
     dtensor.{all_reduce,all_gather,reduce_scatter}   torch's functional collectives (DTensor: TP)
     p2p.send                                 ProcessGroup.send (pipelining, dist.send)
@@ -44,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from latentmoe_lab.layers.moe import LatentMoE
-from latentmoe_lab.native.expert_placement import pair_destinations, placed_layers
+from latentmoe_lab.native.expert_placement import pair_destinations, placed_layers, replica_gradient_bytes
 from latentmoe_lab.native.layout import PARAM_DTYPES, NativeLayout
 from latentmoe_lab.native.stage import named_blocks
 
@@ -311,6 +312,7 @@ def plan_step_bytes(native_or_module, layout: NativeLayout, routing: list[Dispat
         ep_rank = _ep_rank(module)
         placement = {int(name.split(".")[1]): row for name, row in placed_layers(module).items()}
         plan += plan_expert_bytes(routing, moe.num_experts, layout.ep, ep_rank, moe.latent_size, compute, placement)
+        plan["ep.all_to_all.rows"] += replica_gradient_bytes(module, ep_rank, layout.ep)  # replicas' sums
     return Counter({kind: n for kind, n in plan.items() if n})
 
 
