@@ -11,7 +11,7 @@ LAB_ROOT_ARGS := $(if $(filter 0,$(shell id -u)),$(if $(filter --allow-root,$(LA
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo model test lab clean notebooks
+.PHONY: setup demo model model-mtp test lab clean notebooks
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ model: $(STAMP)
 	$(VENV)/bin/latentmoe-lab train --preset mini --steps $(MODEL_STEPS) --warmup 20 --eval-every 80 --nproc 2 \
 		--threads 1 --out runs/mini-stdlib
 	$(PY) -m latentmoe_lab.trained_model export runs/mini-stdlib $(MODEL_DIR)
+
+# The same run with a one-depth MTP head (loss weight 0.3): the drafter of speculative decoding's mtp method
+# (benchmarks/bench_spec.py, notebook 09). Not the default model: its weights differ from `make model`'s.
+MTP_MODEL_DIR ?= checkpoints/mini-stdlib-mtp
+model-mtp: $(STAMP)
+	$(VENV)/bin/latentmoe-lab train --preset mini --steps $(MODEL_STEPS) --warmup 20 --eval-every 80 --nproc 2 \
+		--threads 1 --mtp-depth 1 --mtp-weight 0.3 --out runs/mini-stdlib-mtp
+	$(PY) -m latentmoe_lab.trained_model export runs/mini-stdlib-mtp $(MTP_MODEL_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest
