@@ -6,8 +6,8 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.offload_tier import HotBuffer, OffloadedPools
 from latentmoe_lab.paged_pools import PlainFormat
 from latentmoe_lab.parallel.config import ParallelConfig
-from latentmoe_lab.parallel.hardware import HARDWARE
-from latentmoe_lab.parallel.roofline import decode_roofline
+from latentmoe_lab.parallel.hardware import HARDWARE, Workload
+from latentmoe_lab.parallel.roofline import decode_roofline, layer_time
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.offload_plan import request_tier_bytes
 from latentmoe_lab.serving.sequence import Status
@@ -158,6 +158,11 @@ def test_offload_plan_and_the_one_million_token_figures():
     shared = decode_roofline(config.replace(dsa={"index_share_every": 2}), ParallelConfig(tp=8, ep=8, pp=2),
                              HARDWARE["H200-141GB"])
     assert shared["indexer scan"]["layers"] == 12 and shared["total"]["seconds"] < rows["total"]["seconds"]
+    sharing, pconfig = config.replace(dsa={"index_share_every": 2}), ParallelConfig(tp=8, ep=8, pp=2)
+    source, reuser = (layer_time(sharing, pconfig, HARDWARE["H200-141GB"], Workload(), i, 0.0, 1.0, 2 ** 20, True)
+                      for i in (3, 7))  # the first two DSA layers: 7 reuses 3's selection
+    scan = 2 ** 20 * 132 / HARDWARE["H200-141GB"].hbm_bandwidth  # every fp8 index key read, bandwidth-bound
+    assert sharing.index_source(7) == 3 and source["compute"] - reuser["compute"] == pytest.approx(scan)
 
 
 def test_plan_service_prints_the_tiers_and_the_roofline():

@@ -64,11 +64,12 @@ def layer_time(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workl
     else:
         mla, idx = config.mla, config.indexer
         selected = min(idx.topk, context)
-        flops += tokens * 2 * idx.num_heads * idx.head_dim * context
+        own_indexer = config.index_source(layer) == layer  # dsa.index_share_every: reusers neither scan nor store
+        flops += tokens * 2 * idx.num_heads * idx.head_dim * context * own_indexer
         flops += tokens * 2 * selected * mla.num_heads // tp * (mla.qk_nope_head_dim + mla.qk_rope_head_dim
                                                                + mla.v_head_dim)
         if decode:
-            cache_bytes += tokens * (context * (idx.head_dim + 4)
+            cache_bytes += tokens * (context * (idx.head_dim + 4) * own_indexer
                                      + selected * (mla.kv_lora_rank + mla.qk_rope_head_dim) * workload.cache_bytes)
     shared_flops = 0.0
     if is_moe:
