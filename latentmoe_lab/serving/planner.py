@@ -21,6 +21,7 @@ import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.meta import format_bytes
+from latentmoe_lab.offload_tier import OffloadedPools
 from latentmoe_lab.paged_pools import PagedPools, paged_pool_bytes
 from latentmoe_lab.quant.kv import kv_formats
 from latentmoe_lab.serving.config import ServiceConfig
@@ -40,23 +41,32 @@ class CachePlan:
     latent_format: object
     index_format: object
     budget: int
-    block_bytes: int
+    block_bytes: int  # device bytes per block (with memory.offload: the index keys only)
     slot_bytes: int
+    hot_rows: int = 0  # memory.offload: device rows per running slot and DSA layer; 0: no host tier
+    hot_bytes: int = 0  # every hot buffer (serving/offload_plan.py)
+    host_block_bytes: int = 0  # host-tier bytes per block (every DSA layer's latent rows)
+    host_budget: int = 0  # memory.offload.host_cache_bytes
 
     @property
     def pool_rows(self) -> int:
         return self.num_slots + self.num_snapshots
 
     def bytes_by_kind(self) -> dict[str, int]:
-        """paged_pool_bytes of this plan, with the snapshot rows' share of the KDA pools split out."""
+        """paged_pool_bytes of this plan, with the snapshot rows' share of the KDA pools split out (with a
+        host tier: the latent rows there, the hot buffers on the device)."""
         kinds = paged_pool_bytes(self.config, self.num_blocks, self.block_size, self.pool_rows,
                                  self.dtype, self.latent_format, self.index_format)
+        if self.hot_rows:
+            kinds = {"dsa_hot_buffers": self.hot_bytes} | kinds
+            kinds["host tier: dsa_latent (not in total)"] = kinds.pop("dsa_latent")
         snapshots = self.num_snapshots * self.slot_bytes
         return kinds | {"kda_snapshots (included above)": snapshots}
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.pool_rows * self.slot_bytes
+        """Device bytes (the host tier apart)."""
+        return self.num_blocks * self.block_bytes + self.pool_rows * self.slot_bytes + self.hot_bytes
 
     def table(self) -> str:
         kinds = self.bytes_by_kind()
@@ -67,6 +77,11 @@ class CachePlan:
                      f"tokens ({format_bytes(self.block_bytes)} per block, every DSA layer)")
         lines.append(f"slots: {self.num_slots} running + {self.num_snapshots} prefix snapshots "
                      f"({format_bytes(self.slot_bytes)} per slot, every KDA layer)")
+        if self.hot_rows:
+            lines.append(f"host tier: {format_bytes(self.num_blocks * self.host_block_bytes)} of a "
+                         f"{format_bytes(self.host_budget)} memory.offload.host_cache_bytes "
+                         f"({format_bytes(self.host_block_bytes)} per block); hot buffers of {self.hot_rows} rows "
+                         f"per running slot and DSA layer")
         return "\n".join(lines)
 
 
@@ -95,6 +110,10 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
         raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots "
                          f"(max_num_seqs (x K + 1 speculating) + prefix_snapshot_slots) of {slot_bytes} bytes each")
     per_sequence = -(-service.model.max_model_len // mem.block_size)
+    if mem.offload is not None:  # the latent rows in a host tier (serving/offload_plan.py)
+        from latentmoe_lab.serving.offload_plan import plan_offloaded  # lazy: it builds on CachePlan
+
+        return plan_offloaded(config, service, budget, running_slots(service), slot_bytes)
     if block_bytes == 0:  # a model without DSA layers: blocks cost nothing, give every slot a full sequence
         num_blocks = per_sequence * mem.max_num_seqs
     else:
@@ -170,6 +189,10 @@ def check_engine_plan(service: ServiceConfig) -> None:
 
 
 def allocate_pools(config: ModelConfig, plan: CachePlan, device=None) -> PagedPools:
-    """The PagedPools of a plan: rows [0, num_slots) running slots, then the snapshot rows."""
+    """The PagedPools of a plan: rows [0, num_slots) running slots, then the snapshot rows (OffloadedPools,
+    latent rows on the host, when the plan has a host tier)."""
+    if plan.hot_rows:
+        return OffloadedPools(config, plan.num_blocks, plan.block_size, plan.pool_rows, plan.hot_rows,
+                              plan.num_slots, plan.dtype, device, plan.latent_format, plan.index_format)
     return PagedPools(config, plan.num_blocks, plan.block_size, plan.pool_rows, plan.dtype, device,
                       plan.latent_format, plan.index_format)

@@ -26,6 +26,7 @@ from latentmoe_lab.meta import BITS_PER_WEIGHT, format_bytes
 from latentmoe_lab.quant.kv import kv_bytes_per_token
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.disagg.transfer_bytes import transfer_table
+from latentmoe_lab.serving.offload_plan import long_context_text
 from latentmoe_lab.serving.planner import CachePlan, default_cache_budget, plan_cache
 
 
@@ -107,6 +108,8 @@ def service_plan_text(service: ServiceConfig, config: ModelConfig) -> str:
         lines += stage.lines(service.model.max_model_len)
     lines.append("")
     lines.append(per_sequence_text(config, service.model.max_model_len))
+    lines.append("")
+    lines.append(long_context_text(config, service))  # issue 29: tiers and the decode roofline
     lines.append("")
     lines.append(transfer_table(config, service.model.max_model_len, service.cache_dtype,
                                 "bf16" if service.model.dtype == "fp8" else service.model.dtype))
