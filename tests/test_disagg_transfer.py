@@ -23,11 +23,12 @@ NEW_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS)
 
 
-def service(kv_cache_dtype: str = "auto", speculative: dict | None = None, **parallel) -> ServiceConfig:
+def service(kv_cache_dtype: str = "auto", speculative: dict | None = None, memory: dict | None = None,
+            **parallel) -> ServiceConfig:
     return ServiceConfig.from_dict({
         "model": {"preset": "tiny", "max_model_len": 256},
         "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True,
-                   "kv_cache_dtype": kv_cache_dtype},
+                   "kv_cache_dtype": kv_cache_dtype} | (memory or {}),
         "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}} | ({"parallel": parallel} if parallel else {})
         | ({"speculative": speculative} if speculative else {}))
 
@@ -69,8 +70,8 @@ def assert_pools_equal(prefill, prefill_seq, decode_engine, decode_seq) -> None:
     dst = flat_positions(decode_seq.block_table, decode_engine.block_manager.block_size, n)
     for a, b in zip(prefill.pools.layers, decode_engine.pools.layers):
         if isinstance(a, DSAPool):
-            for got, want in zip(b.read(dst), a.read(src)):
-                assert torch.equal(got, want)
+            for got, want in zip(b.read(dst), a.read(src)):  # index keys: None in a layer sharing another's
+                assert (got is None and want is None) or torch.equal(got, want)
         else:
             assert isinstance(a, KDAPool)
             assert torch.equal(b.state[decode_seq.slot], a.state[prefill_seq.slot])
@@ -174,6 +175,25 @@ def test_sampled_requests_continue_their_generator(model, prompts):
         for a, b in zip(got.logprobs, want.logprobs):
             assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
+def test_host_tier_and_shared_indexer(prompts):
+    """memory.offload (latent rows in a host tier with hot buffers) on both sides, and dsa.index_share_every 2
+    (only the first of two DSA layers keeps index keys): the payload carries what the pools hold, no more."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("tiny").replace(num_layers=8, dsa={"index_share_every": 2})
+    model = LatentMoEForCausalLM(config).eval()
+    chosen = [prompts[i] for i in (2, 6, 7, 15)]  # 16 .. 100 tokens: past the indexer's top-32
+    offload = service("fp8", memory={"offload": {"host_cache_bytes": 2_000_000, "hot_rows_per_layer": 40}})
+    expected = [o.token_ids for o in Engine(model, service("fp8")).generate(chosen, PARAMS, use_tqdm=False)]
+    prefill, decode_engine = Engine(model, offload), Engine(model, offload)
+    outputs, transfers = run_1p1d(prefill, decode_engine, chosen)
+    assert [o.token_ids for o in outputs] == expected
+    assert decode_engine.pools.stats()["rows_moved"] > 0  # decodes read through the hot buffers
+    for prompt_len, payload in transfers:
+        cache = decode(payload)
+        assert cache.dsa_latent.shape[0] == 2 and cache.dsa_index.shape[0] == 1
+        assert payload_tensor_bytes(payload) == bytes_per_request(config, prompt_len, "fp8", "fp32")
 
 
 def test_tp1_prefill_to_tp2_decode(model, prompts):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from latentmoe_lab.offload_tier import OffloadedDSAPool
+from latentmoe_lab.offload_tier import OffloadedDSAPool
 from latentmoe_lab.paged_pools import DSAPool, KDAPool, PagedPools, PlainFormat
 from latentmoe_lab.quant.kv_index import QuantizedIndexFormat
 from latentmoe_lab.quant.kv_mla import QuantizedLatentFormat
@@ -62,13 +63,21 @@ def write_token_bytes(fmt, storage: torch.Tensor, dim: int, positions: torch.Ten
     _flat_bytes(storage)[token_byte_offsets(fmt, storage, dim, positions)] = rows
 
 
+def _dsa_pools(pools: PagedPools) -> tuple[list[DSAPool], list[DSAPool]]:
+    """(every DSA layer's pool, those that keep index keys): with dsa.index_share_every > 1 a layer that reuses
+    another's selection has an empty index pool (docs/design.md §15.2)."""
+    dsa = [pool for pool in pools.layers if isinstance(pool, DSAPool)]
+    return dsa, [pool for pool in dsa if pool.index.numel() > 0]
+
+
 def read_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int) -> dict[str, torch.Tensor]:
     """A request's rows: its tokens at flat positions [N] in every DSA layer, its slot in every KDA layer.
 
-    -> {"dsa_latent": uint8 [L_dsa, N, E_latent], "dsa_index": uint8 [L_dsa, N, E_index],
-        "kda_state": fp32 [L_kda, H, d_k, d_v], "kda_conv": [L_kda, channels, kernel - 1]} (copies).
+    -> {"dsa_latent": uint8 [L_dsa, N, E_latent], "dsa_index": uint8 [L_indexer, N, E_index] (the layers that
+        keep index keys), "kda_state": fp32 [L_kda, H, d_k, d_v], "kda_conv": [L_kda, channels, kernel - 1]}
+    (copies). With memory.offload the latent rows are read from the host tier, which holds every row.
     """
-    dsa = [pool for pool in pools.layers if isinstance(pool, DSAPool)]
+    dsa, indexed = _dsa_pools(pools)
     kda = [pool for pool in pools.layers if isinstance(pool, KDAPool)]
     config, tokens = pools.config, len(positions)
     kda_dims = (config.kda.num_heads, config.kda.head_dim_k, config.kda.head_dim_v)
@@ -76,7 +85,7 @@ def read_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int) -> 
     return {
         "dsa_latent": _stack([read_token_bytes(p.latent_format, p.latent, p.latent_dim, positions) for p in dsa],
                              (tokens, _per_token(pools, "latent")), torch.uint8),
-        "dsa_index": _stack([read_token_bytes(p.index_format, p.index, p.index_dim, positions) for p in dsa],
+        "dsa_index": _stack([read_token_bytes(p.index_format, p.index, p.index_dim, positions) for p in indexed],
                             (tokens, _per_token(pools, "index")), torch.uint8),
         "kda_state": _stack([p.state[slot].clone() for p in kda], kda_dims, torch.float32),
         "kda_conv": _stack([p.conv[slot].clone() for p in kda], (channels, config.kda.conv_kernel - 1), pools.dtype),
@@ -84,14 +93,17 @@ def read_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int) -> 
 
 
 def write_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int, rows: dict[str, torch.Tensor]) -> None:
-    """The inverse of read_request_rows: rows stored at flat positions [N] and in KDA slot `slot`."""
-    dsa = [pool for pool in pools.layers if isinstance(pool, DSAPool)]
-    kda = [pool for pool in pools.layers if isinstance(pool, KDAPool)]
-    for pool, latent, index in zip(dsa, rows["dsa_latent"], rows["dsa_index"]):
-        if isinstance(pool, OffloadedDSAPool):  # a host tier (§15.1): hot copies of these positions must go
-            pool.hot.invalidate(positions)
+    """The inverse of read_request_rows: rows stored at flat positions [N] and in KDA slot `slot`. With
+    memory.offload the latent rows go to the host tier and any hot copies of those positions are dropped,
+    as every write of the host tier does (offload_tier.py)."""
+    dsa, indexed = _dsa_pools(pools)
+    for pool, latent in zip(dsa, rows["dsa_latent"]):
         write_token_bytes(pool.latent_format, pool.latent, pool.latent_dim, positions, latent)
+        if isinstance(pool, OffloadedDSAPool):
+            pool.hot.invalidate(positions)
+    for pool, index in zip(indexed, rows["dsa_index"]):
         write_token_bytes(pool.index_format, pool.index, pool.index_dim, positions, index)
+    kda = [pool for pool in pools.layers if isinstance(pool, KDAPool)]
     for pool, state, conv in zip(kda, rows["kda_state"], rows["kda_conv"]):
         pool.state[slot].copy_(state)
         pool.conv[slot].copy_(conv)

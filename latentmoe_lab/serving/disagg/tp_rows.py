@@ -41,15 +41,21 @@ def write_rows_to_workers(engine, positions: torch.Tensor, slot: int, rows: dict
     shares = []
     for rank in range(pconfig.world_size):
         coords = rank_coords(pconfig, rank)
-        layers = engine.stages[coords["pp"]].layers
-        before = config.layer_types[:layers.start]
-        inside = config.layer_types[layers.start:layers.stop]
-        dsa = slice(before.count(DSA), before.count(DSA) + inside.count(DSA))
-        kda = slice(len(before) - before.count(DSA), len(before) - before.count(DSA) + len(inside) - inside.count(DSA))
-        stage = {"dsa_latent": rows["dsa_latent"][dsa], "dsa_index": rows["dsa_index"][dsa],
-                 "kda_state": rows["kda_state"][kda], "kda_conv": rows["kda_conv"][kda]}
+        parts = stage_parts(config, engine.stages[coords["pp"]].layers)
+        stage = {name: rows[name][parts[kind]] for name, kind in (("dsa_latent", "dsa"), ("dsa_index", "indexer"),
+                                                                  ("kda_state", "kda"), ("kda_conv", "kda"))}
         shares.append(slice_heads(stage, coords["tp"], pconfig.tp, config.kda.head_dim_k, config.kda.head_dim_v))
     runner.write_rows(positions.tolist(), slot, shares)
+
+
+def stage_parts(config, layers: range) -> dict[str, slice]:
+    """Which entries of the whole-model rows a stage's layers hold: {"dsa", "indexer", "kda"} -> slice (the
+    DSA layers, those that keep index keys, the KDA layers, each counted in layer order)."""
+    kinds = {"dsa": [i for i, t in enumerate(config.layer_types) if t == DSA]}
+    kinds["indexer"] = [i for i in kinds["dsa"] if config.index_source(i) == i]
+    kinds["kda"] = [i for i, t in enumerate(config.layer_types) if t != DSA]
+    return {kind: slice(sum(i < layers.start for i in ids), sum(i < layers.stop for i in ids))
+            for kind, ids in kinds.items()}
 
 
 def _conv_widths(heads: int, head_dim_k: int, head_dim_v: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Bytes one request's transfer carries, planned from the config alone (docs/design.md §13.1).
 
     dsa_latent   L_dsa x N x latent entry   (k3-2.8t fp8: 656 B = 512 codes + 4 x 4 scales + 64 x 2 rope)
-    dsa_index    L_dsa x N x index entry    (k3-2.8t fp8: 132 B = 128 codes + 4 scale)
+    dsa_index    L_idx x N x index entry    (k3-2.8t fp8: 132 B = 128 codes + 4 scale); L_idx: the DSA layers
+                                            with their own indexer (all of them unless dsa.index_share_every > 1)
     kda_state    L_kda x H x d_k x d_v x 4  (fp32, whatever the cache format)
     kda_conv     L_kda x channels x (kernel - 1) x compute dtype bytes
     sampler      the torch.Generator state (the CPU generator's, 5056 B)
@@ -41,7 +42,7 @@ def payload_shapes(config: ModelConfig, prompt_len: int, cache_dtype: str,
     channels = kda.num_heads * (2 * kda.head_dim_k + kda.head_dim_v)
     return {"generator_state": ((GENERATOR_STATE_BYTES,), torch.uint8),
             "dsa_latent": ((num_dsa, prompt_len, entry["mla"]), torch.uint8),
-            "dsa_index": ((num_dsa, prompt_len, entry["index"]), torch.uint8),
+            "dsa_index": ((config.num_indexer_layers, prompt_len, entry["index"]), torch.uint8),
             "kda_state": ((num_kda, kda.num_heads, kda.head_dim_k, kda.head_dim_v), torch.float32),
             "kda_conv": ((num_kda, channels, kda.conv_kernel - 1), PLAIN_DTYPES[model_dtype])}
 
