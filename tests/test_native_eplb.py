@@ -2,16 +2,17 @@
 
 The placement is rebalance_experts' phy2log, the one the hand-written layout takes. Checked here, on the
 tiny preset (3 MoE layers x 8 experts) over gloo processes on 127.0.0.1:
-- a permutation placement trains EP2, FSDP2xEP2, EP2xTP2 and PP2xEP2 like one process (logits and
-  parameters after 2 AdamW steps, fp64; the last three on 4 processes, each stage its own placement rows);
+- a permutation placement trains EP2, FSDP2xEP2, EP2xTP2 and PP2xEP2 like one process (logits, gradient
+  norms and parameters after 2 AdamW steps, fp64; the 4-process layouts in one launch; under PP each stage
+  takes its own placement rows);
 - with 4 replicas, EP2 and EP2xTP2 train like one process too, the replicas staying identical (their
   gradients summed); the forward equals the hand-written layout on the same placement; under FSDP2 the
   trainer refuses replicas (ValueError naming `placement`);
 - a checkpoint saved under one placement loads under another (with or without replicas) and into one
   plain process, and equals the trained model; the files hold the experts in logical order;
-- move_rows and sum_rows (the All-to-Alls of the checkpoint mapping and the replica gradients) against plain
-  indexing and index_add, and the planned
-  All-to-All bytes of a step under a placement against the measured ones.
+- move_rows and sum_rows (the All-to-Alls of the checkpoint mapping and the replica gradients) against
+  plain indexing and index_add, and the planned All-to-All bytes of a step under a placement (with and
+  without replicas) against the measured ones.
 """
 import pytest
 import torch
@@ -31,7 +32,7 @@ LAYERS, EXPERTS = 3, CONFIG.moe.num_experts
 
 
 def skewed_placement(num_slots: int, seed: int) -> torch.Tensor:
-    """rebalance_experts on a skewed load: hot experts spread, none where the contiguous layout puts it."""
+    """rebalance_experts on a seeded skewed load over 2 ranks (global policy)."""
     weight = torch.rand(LAYERS, EXPERTS, generator=torch.Generator().manual_seed(seed)) ** 4 * 100
     return rebalance_experts(weight, num_slots, 1, 1, 2)[0]
 
