@@ -6,110 +6,15 @@ import hashlib
 import pytest
 import torch
 
+from disagg_cases import NEW_TOKENS, PARAMS, model, prompts, reference_tokens, run_1p1d, service  # noqa: F401
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.meta import format_bytes
-from latentmoe_lab.paged_pools import DSAPool, KDAPool
-from latentmoe_lab.quant.kv_cache import quantized_kv_cache
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.disagg import (NoRoomError, TransferError, bytes_per_request, decode, encode,
-                                          export_request, held_requests, held_sequence, import_request, prefill_step,
+                                          export_request, held_requests, import_request, prefill_step,
                                           release_exported, transfer_bytes_by_kind, waiting_for_ack)
-from latentmoe_lab.serving.disagg.pool_rows import flat_positions
-from latentmoe_lab.serving.disagg.tp_rows import gather_heads, slice_heads
 from latentmoe_lab.serving.disagg.wire import payload_tensor_bytes
 from latentmoe_lab.serving.service_plan import service_plan_text
-
-NEW_TOKENS = 6
-PARAMS = SamplingParams(max_tokens=NEW_TOKENS)
-
-
-def service(kv_cache_dtype: str = "auto", speculative: dict | None = None, memory: dict | None = None,
-            **parallel) -> ServiceConfig:
-    return ServiceConfig.from_dict({
-        "model": {"preset": "tiny", "max_model_len": 256},
-        "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True,
-                   "kv_cache_dtype": kv_cache_dtype} | (memory or {}),
-        "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}} | ({"parallel": parallel} if parallel else {})
-        | ({"speculative": speculative} if speculative else {}))
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    """16 ragged prompts: 1 token, around a block (16) and a chunk (32), and shared prefixes (prefix-cache hits)."""
-    base = torch.randint(0, 250, (120,), generator=torch.Generator().manual_seed(1)).tolist()
-    other = torch.randint(0, 250, (120,), generator=torch.Generator().manual_seed(2)).tolist()
-    return ([base[:n] for n in (1, 15, 16, 17, 33, 48, 64, 100)]
-            + [other[:n] for n in (2, 5, 31, 32, 40, 47, 65, 80)])
-
-
-def reference_tokens(model, prompt: list[int], kv_cache_dtype: str) -> list[int]:
-    """model.generate (fp32 cache) or, for a stored format, the model's greedy loop over its codec twin."""
-    ids = torch.tensor([prompt])
-    if kv_cache_dtype == "auto":
-        return model.generate(ids, NEW_TOKENS)[0, len(prompt):].tolist()
-    cache, tokens = quantized_kv_cache(model.config, kv_cache_dtype, "fp32"), []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            logits = model(ids if not tokens else ids[:, -1:], cache=cache).logits[0, -1]
-            tokens.append(int(logits.argmax()))
-            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
-    return tokens
-
-
-def assert_pools_equal(prefill, prefill_seq, decode_engine, decode_seq) -> None:
-    """Per layer: the decode side's rows == the prefill side's, bitwise (DSA storage bytes and what the format
-    reads back from them; KDA state and conv tail)."""
-    n = len(prefill_seq.prompt_ids)
-    src = flat_positions(prefill_seq.block_table, prefill.block_manager.block_size, n)
-    dst = flat_positions(decode_seq.block_table, decode_engine.block_manager.block_size, n)
-    for a, b in zip(prefill.pools.layers, decode_engine.pools.layers):
-        if isinstance(a, DSAPool):
-            for got, want in zip(b.read(dst), a.read(src)):  # index keys: None in a layer sharing another's
-                assert (got is None and want is None) or torch.equal(got, want)
-        else:
-            assert isinstance(a, KDAPool)
-            assert torch.equal(b.state[decode_seq.slot], a.state[prefill_seq.slot])
-            assert torch.equal(b.conv[decode_seq.slot], a.conv[prefill_seq.slot])
-
-
-def run_1p1d(prefill: Engine, decode_engine: Engine, prompts, check_pools: bool = True,
-             params: list[SamplingParams] | None = None) -> tuple[list, list]:
-    """Every prompt through prefill -> encode -> decode -> decode engine; (finished output per prompt, transfers
-    as (prompt length, payload bytes)). Acks (release) only after the import succeeded."""
-    params = params or [PARAMS] * len(prompts)
-    index_of = {prefill.add_request(p, q): i for i, (p, q) in enumerate(zip(prompts, params))}
-    finished, transfers, pending, decode_index = [None] * len(prompts), [], [], {}
-    while prefill.has_unfinished() or decode_engine.has_unfinished() or pending:
-        if prefill.has_unfinished():
-            outputs, caches = prefill_step(prefill)
-            assert not any(o.finished for o in outputs)  # max_tokens 6: nobody ends at its first token
-            pending += caches
-        while pending:
-            payload = encode(pending[0])
-            try:
-                decode_id = import_request(decode_engine, decode(payload))
-            except NoRoomError:
-                break
-            cache = pending.pop(0)
-            transfers.append((cache.num_tokens, payload))
-            if check_pools:
-                assert_pools_equal(prefill, held_sequence(prefill, cache.request_id), decode_engine,
-                                   decode_engine._sequences[decode_id])
-            release_exported(prefill, cache.request_id)
-            decode_index[decode_id] = index_of[cache.request_id]
-        if decode_engine.has_unfinished():
-            for out in decode_engine.step():
-                if out.finished:
-                    assert out.finish_reason == "length"
-                    finished[decode_index[out.request_id]] = out
-    return finished, transfers
-
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 
@@ -134,29 +39,6 @@ def test_1p1d_equals_colocated_and_the_model(model, prompts, kv_cache_dtype, spe
     for engine in (prefill, decode_engine):  # drained: nothing held on either side
         assert engine.block_manager.blocks_used == 0 and engine.block_manager.slots_used == 0
     assert held_requests(prefill) == []
-
-
-def test_tp2_prefill_to_tp1_decode(model, prompts):
-    """A tensor-parallel prefill's KDA heads are gathered from its two ranks; a TP1 decode finishes the requests."""
-    chosen = [prompts[i] for i in (0, 11, 14)]
-    expected = [o.token_ids for o in Engine(model, service("fp8")).generate(chosen, PARAMS, use_tqdm=False)]
-    prefill = Engine(model, service("fp8", tensor_parallel_size=2))
-    try:
-        outputs, transfers = run_1p1d(prefill, Engine(model, service("fp8")), chosen, check_pools=False)
-        assert prefill.block_manager.blocks_used == 0 and prefill.block_manager.slots_used == 0
-    finally:
-        prefill.close()
-    assert [o.token_ids for o in outputs] == expected
-    # the gathered state is the one-process state up to the TP reductions' rounding (a misplaced head is O(1))
-    one = Engine(model, service("fp8"))
-    request = one.add_request(chosen[2], PARAMS)
-    while not one._sequences[request].generated_ids:
-        one.step()
-    alone = export_request(one, request)
-    gathered = next(decode(payload) for n, payload in transfers if n == len(chosen[2]))
-    torch.testing.assert_close(gathered.kda_state, alone.kda_state, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(gathered.kda_conv, alone.kda_conv, atol=1e-5, rtol=1e-4)
-    release_exported(one, request)
 
 
 def test_sampled_requests_continue_their_generator(model, prompts):
@@ -194,42 +76,6 @@ def test_host_tier_and_shared_indexer(prompts):
         cache = decode(payload)
         assert cache.dsa_latent.shape[0] == 2 and cache.dsa_index.shape[0] == 1
         assert payload_tensor_bytes(payload) == bytes_per_request(config, prompt_len, "fp8", "fp32")
-
-
-def test_tp1_prefill_to_tp2_decode(model, prompts):
-    """The other way: each decode rank gets its KDA heads (and conv channels) sliced from the payload."""
-    chosen = [prompts[i] for i in (3, 9, 15)]
-    expected = [o.token_ids for o in Engine(model, service("bf16")).generate(chosen, PARAMS, use_tqdm=False)]
-    decode_engine = Engine(model, service("bf16", tensor_parallel_size=2))
-    try:
-        outputs, _ = run_1p1d(Engine(model, service("bf16")), decode_engine, chosen, check_pools=False)
-        assert decode_engine.block_manager.blocks_used == 0 and decode_engine.block_manager.slots_used == 0
-    finally:
-        decode_engine.close()
-    assert [o.token_ids for o in outputs] == expected
-
-
-@pytest.mark.parametrize("parts", [2, 4])
-def test_heads_slice_and_gather_are_inverse(parts):
-    """The whole-model rows -> every tp rank's share -> gathered back: the same tensors; a rank's KDA conv
-    share is its heads' q, k and v channels (the layout of parallel/tensor.py shard_kda)."""
-    heads, d_k, d_v, generator = 4, 3, 5, torch.Generator().manual_seed(parts)
-    rows = {"dsa_latent": torch.randint(0, 255, (2, 7, 9), dtype=torch.uint8, generator=generator),
-            "dsa_index": torch.randint(0, 255, (2, 7, 6), dtype=torch.uint8, generator=generator),
-            "kda_state": torch.randn(3, heads, d_k, d_v, generator=generator),
-            "kda_conv": torch.randn(3, heads * (2 * d_k + d_v), 2, generator=generator)}
-    shares = [slice_heads(rows, index, parts, d_k, d_v) for index in range(parts)]
-    gathered = gather_heads(shares, d_k, d_v)
-    for name, tensor in rows.items():
-        assert torch.equal(gathered[name], tensor)
-    local = heads // parts
-    q, k, v = rows["kda_conv"].split([heads * d_k, heads * d_k, heads * d_v], dim=1)
-    last = shares[-1]["kda_conv"]
-    assert torch.equal(last[:, :local * d_k], q[:, -local * d_k:])
-    assert torch.equal(last[:, local * d_k:2 * local * d_k], k[:, -local * d_k:])
-    assert torch.equal(last[:, 2 * local * d_k:], v[:, -local * d_v:])
-    with pytest.raises(ValueError, match="parallel.tensor_parallel_size: \\(3\\) must divide the KDA heads"):
-        slice_heads(rows, 0, 3, d_k, d_v)
 
 
 def test_planned_bytes_full_scale():
