@@ -5,9 +5,8 @@ tiny preset (3 MoE layers x 8 experts) over gloo processes on 127.0.0.1:
 - a permutation placement trains EP2, FSDP2xEP2, EP2xTP2 and PP2xEP2 like one process (logits, gradient
   norms and parameters after 2 AdamW steps, fp64; the 4-process layouts in one launch; under PP each stage
   takes its own placement rows);
-- with 4 replicas, EP2 and EP2xTP2 train like one process too, the replicas staying identical (their
-  gradients summed); the forward equals the hand-written layout on the same placement; under FSDP2 the
-  trainer refuses replicas (ValueError naming `placement`);
+- with 4 replicas, EP2, EP2xTP2 and FSDP2xEP2 train like one process too, the replicas staying identical
+  (their gradients summed); the forward equals the hand-written layout on the same placement;
 - a checkpoint saved under one placement loads under another (with or without replicas) and into one
   plain process, and equals the trained model; the files hold the experts in logical order;
 - move_rows and sum_rows (the All-to-Alls of the checkpoint mapping and the replica gradients) against
@@ -52,7 +51,9 @@ def test_the_placements_move_experts_across_ranks():
 TRAINED_LAYOUTS = {  # name -> (layout, placement)
     "EP2": (NativeLayout(ep=2), PERMUTATION), "FSDP2xEP2": (NativeLayout(dp_shard=2, ep=2), PERMUTATION),
     "EP2xTP2": (NativeLayout(ep=2, tp=2), PERMUTATION), "PP2xEP2": (NativeLayout(pp=2, ep=2), PERMUTATION),
-    "EP2 + 4 replicas": (NativeLayout(ep=2), REPLICATED), "EP2xTP2 + 4 replicas": (NativeLayout(ep=2, tp=2), REPLICATED)}
+    "EP2 + 4 replicas": (NativeLayout(ep=2), REPLICATED),
+    "EP2xTP2 + 4 replicas": (NativeLayout(ep=2, tp=2), REPLICATED),
+    "FSDP2xEP2 + 4 replicas": (NativeLayout(dp_shard=2, ep=2), REPLICATED)}
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +87,6 @@ def test_replicas_serve_like_the_hand_written_layout():
     one process: tests/test_eplb_serving.py)."""
     difference, = compare_with_hand_written([(ParallelConfig(ep=2), NativeLayout(ep=2))], placement=REPLICATED)
     assert difference <= 1e-5
-
-
-def test_replicas_under_fsdp_are_refused_by_the_trainer():
-    """FSDP2 shards the expert gradients over dp_shard, where the replica sums are not built: refused up front."""
-    from types import SimpleNamespace
-
-    from latentmoe_lab.native.build import NativeModel
-    from latentmoe_lab.native.train import NativeTrainer
-
-    model = LatentMoEForCausalLM(CONFIG)
-    for block, row in zip([b for b in model.layers if b.is_moe], REPLICATED):
-        block.ffn.dispatcher = SimpleNamespace(phy2log=row)  # what placed_layers reads of the EP dispatcher
-    native = NativeModel(model, NativeLayout(dp_shard=2, ep=2), mesh=None, stage_layers=[])
-    with pytest.raises(ValueError, match="^placement: the native trainer takes replicas only with dp_shard = 1"):
-        NativeTrainer(native)
 
 
 def test_bad_placements_are_refused():
@@ -175,7 +161,8 @@ def _checkpoint_worker(reference: str, saved: str, settings: EquivalenceSettings
     measured_replicated = {kind: n for kind, n in meter.bytes.items() if kind.startswith(("fsdp.", "ep.")) and n}
     error = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a)  # noqa: E731
     return {"rows_ok": rows_ok, "planned": dict(planned), "measured": measured,
-            "planned_replicated": dict(planned_replicated), "measured_replicated": measured_replicated, "trained_logits": trained_logits, "trained": trained,
+            "planned_replicated": dict(planned_replicated), "measured_replicated": measured_replicated,
+            "trained_logits": trained_logits, "trained": trained,
             "load_error": error(loaded, trained), "resume_error": error(resumed_after_two, after_two),
             "replicated_logit_error": float((replicated_logits - trained_logits).abs().max())}
 

@@ -18,8 +18,8 @@ pieces of that block are gathered for the move, and cut again after it).
 Training: with a permutation (P = E) every slot's gradient is its expert's whole gradient. With replicas,
 each replica's gradient covers the tokens sent to it, so after backward `sum_replica_gradients` gives every
 replica the sum over its expert's replicas (`sum_rows` to the expert's owner, then `move_rows` back), AdamW
-then moves the replicas alike, and the clipping norm counts each expert once (`replica_copies`). That needs
-the gradients as plain ep blocks: NativeTrainer refuses replicas under FSDP2 on the experts (dp_shard > 1).
+then moves the replicas alike, and the clipping norm counts each expert once (`unique_square`). Both work on
+ep blocks, so under FSDP2 on the experts a rank gathers its block's dp_shard pieces for them.
 """
 from __future__ import annotations
 
@@ -65,10 +65,6 @@ def placed_layers(module: nn.Module) -> dict[str, torch.Tensor]:
     return placed
 
 
-def has_replicas(module: nn.Module) -> bool:
-    return any(len(row) > len(row.unique()) for row in placed_layers(module).values())
-
-
 def pair_destinations(indices: torch.Tensor, num_experts: int, ep: int, phy2log: torch.Tensor | None = None
                       ) -> torch.Tensor:
     """indices [R_ep, N, K] every ep rank's routing -> [R_ep, N, K] the ep rank each pair is sent to.
@@ -101,6 +97,11 @@ def _stack_prefix(key: str, placed: dict[str, torch.Tensor]) -> str | None:
 def _ep_placements(tensor: DTensor) -> list:
     """Shard(0) on the "ep" mesh dim, Replicate elsewhere: each ep rank's contiguous block of the stack."""
     return [Shard(0) if name == "ep" else Replicate() for name in tensor.device_mesh.mesh_dim_names]
+
+
+def _ep_block(tensor: DTensor) -> torch.Tensor:
+    """This rank's contiguous ep block of a stack (FSDP2's dp_shard pieces of it gathered)."""
+    return tensor.redistribute(tensor.device_mesh, _ep_placements(tensor)).to_local()
 
 
 def _ep_group(tensor: DTensor):
@@ -156,7 +157,8 @@ def sum_rows(block: torch.Tensor, phy2log: torch.Tensor, num_experts: int, group
 
 def sum_replica_gradients(module: nn.Module) -> None:
     """Every replica's gradient becomes the sum over all replicas of its expert (the expert's whole gradient),
-    so AdamW keeps the replicas identical. Gradients must be Shard(0) over ep alone (dp_shard = 1)."""
+    so AdamW keeps the replicas identical. Works on each rank's ep block of a gradient (under FSDP2 its
+    dp_shard pieces are gathered first, and each rank keeps its own piece of the result)."""
     num_experts = module.config.moe.num_experts
     for prefix, phy2log in placed_layers(module).items():
         if len(phy2log.unique()) == len(phy2log):
@@ -165,9 +167,21 @@ def sum_replica_gradients(module: nn.Module) -> None:
         for name in EXPERT_STACKS:
             grad = getattr(experts, name).grad
             if grad is not None:
-                group = _ep_group(grad)
-                whole = sum_rows(grad.to_local(), phy2log, num_experts, group)
-                grad.to_local().copy_(move_rows(whole, phy2log, num_experts, group))
+                group, mesh = _ep_group(grad), grad.device_mesh
+                whole = sum_rows(_ep_block(grad), phy2log, num_experts, group)
+                summed = DTensor.from_local(move_rows(whole, phy2log, num_experts, group), mesh,
+                                            _ep_placements(grad), run_check=False, shape=grad.shape,
+                                            stride=grad.stride())
+                grad.to_local().copy_(summed.redistribute(mesh, grad.placements).to_local())
+
+
+def unique_square(grad: DTensor, copies: torch.Tensor) -> torch.Tensor:
+    """fp64 squared L2 norm of a replicated stack's gradient over all ranks, each expert counted once:
+    copies [P / R] (replica_copies) divides each slot's square by its expert's replica count."""
+    block = _ep_block(grad).double()
+    square = (block.pow(2).flatten(1).sum(1) / copies.to(block.device)).sum()
+    dist.all_reduce(square, group=_ep_group(grad))  # the ep blocks; equal over dp_shard, so not summed there
+    return square
 
 
 def replica_gradient_bytes(module: nn.Module, rank: int, ep: int) -> int:

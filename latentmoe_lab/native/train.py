@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import causal_lm_loss
 from latentmoe_lab.native.build import NativeModel, expert_params
-from latentmoe_lab.native.expert_placement import has_replicas, replica_copies, sum_replica_gradients
+from latentmoe_lab.native.expert_placement import replica_copies, sum_replica_gradients, unique_square
 from latentmoe_lab.native.stage import named_blocks
 
 
@@ -69,10 +69,7 @@ def clip_global_norm(native: NativeModel, max_norm: float) -> torch.Tensor:
         if param.grad is None:
             continue
         if param in copies:
-            local = param.grad.to_local().double()
-            square = (local.pow(2).flatten(1).sum(1) / copies[param].to(local.device)).sum()
-            dist.all_reduce(square, group=param.device_mesh.get_group())
-            squares += square
+            squares += unique_square(param.grad, copies[param])
         else:
             # at least fp32, fp64 for fp64 gradients (the equivalence checks compare the norm itself)
             norm = torch.linalg.vector_norm(param.grad.to(torch.promote_types(param.grad.dtype, torch.float32)))
@@ -95,10 +92,6 @@ class NativeTrainer:
 
     def __init__(self, native: NativeModel, lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0,
                  betas: tuple[float, float] = (0.9, 0.999)):
-        if has_replicas(native.module) and native.layout.dp_shard > 1:
-            raise ValueError("placement: the native trainer takes replicas only with dp_shard = 1 (their gradients "
-                             "are summed over ep blocks; FSDP2 shards the experts over dp_shard): use a "
-                             f"permutation (P = E slots) or dp_shard = 1, got dp_shard = {native.layout.dp_shard}")
         self.native, self.grad_clip = native, grad_clip
         native.reshard()  # the optimizer must hold the sharded parameters, not a gathered copy
         params = list(native.module.parameters())
