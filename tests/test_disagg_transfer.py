@@ -33,6 +33,11 @@ def test_1p1d_equals_colocated_and_the_model(model, prompts, kv_cache_dtype, spe
     assert [o.token_ids for o in outputs] == expected
     assert (decode_engine.stats()["spec_draft_tokens"] > 0) == (speculative is not None)  # drafts were verified
     assert prefill.scheduler.prefix_hit_tokens > 0  # the shared prefixes hit on the prefill side
+    # the boundary rule: the prefill side computed every prompt token and decoded none; the decode side
+    # recomputed nothing (its first step per request decodes the transferred first token)
+    assert prefill.stats()["decode_tokens"] == 0 and decode_engine.stats()["prefill_tokens"] == 0
+    if speculative is None:
+        assert decode_engine.stats()["decode_tokens"] == len(prompts) * (NEW_TOKENS - 1)
     cache_dtype = service(kv_cache_dtype).cache_dtype
     for prompt_len, payload in transfers:  # planned == measured, per request
         assert payload_tensor_bytes(payload) == bytes_per_request(model.config, prompt_len, cache_dtype, "fp32")
