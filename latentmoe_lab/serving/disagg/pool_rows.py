@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from latentmoe_lab.offload_tier import OffloadedDSAPool
-from latentmoe_lab.offload_tier import OffloadedDSAPool
 from latentmoe_lab.paged_pools import DSAPool, KDAPool, PagedPools, PlainFormat
 from latentmoe_lab.quant.kv_index import QuantizedIndexFormat
 from latentmoe_lab.quant.kv_mla import QuantizedLatentFormat
