@@ -252,6 +252,8 @@ class Engine:
         sampled, new_logprobs = {}, []
         logits = output.logits.float()  # S sampling rows, then prompt and verify positions (model_runner.py)
         rows_of = verify_logit_rows(batch)
+        if self.speculator is not None:
+            self.speculator.judged.clear()  # a failed step's verdicts are not counted
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         record_prompt_logprobs(batch, output.logits[len(batch.entries):])
         # a failure part way must not leave some generators advanced: the recompute samples again

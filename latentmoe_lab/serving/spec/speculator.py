@@ -35,6 +35,9 @@ class Speculator:
         self.accepted_per_position = [0] * self.k  # draft position i accepted (..._accepted_tokens_per_pos)
         self.drafts_per_position = [0] * self.k  # draft position i verified
         self.verify_steps = 0
+        # request id -> (drafts, accepted) judged by this step's sampling; counted once the step succeeded
+        # (after_step), dropped when it failed (the engine clears it before sampling a step)
+        self.judged: dict[int, tuple[int, int]] = {}
 
     def forget(self, seq: Sequence) -> None:
         """A preempted or finished sequence: its drafts, hidden rows and the drafter's state go."""
@@ -46,7 +49,7 @@ class Speculator:
         (the accepted drafts and one more, cut after a stop token or at max_tokens)."""
         tokens = verify_drafts(rows, seq.draft_ids, seq.params, seq.generator, seq.generated_ids)
         if seq.draft_ids:
-            self._count(len(seq.draft_ids), len(tokens) - 1)
+            self.judged[seq.request_id] = (len(seq.draft_ids), len(tokens) - 1)
         tokens = tokens[:max(1, seq.max_tokens - len(seq.generated_ids))]
         stop = next((i for i, t in enumerate(tokens) if t in seq.params.stop_token_ids), None)
         return tokens if stop is None else tokens[:stop + 1]
@@ -64,6 +67,9 @@ class Speculator:
         """committed[i]: how many of entry i's new tokens are now real (all of a chunk; of a verify step the
         last token and the accepted drafts); hidden [total, hidden] (mtp) in entry order. Hands each
         sequence's committed hidden rows on, then proposes drafts for the ones ready to decode."""
+        for drafts, accepted in self.judged.values():
+            self._count(drafts, accepted)
+        self.judged.clear()
         start = 0
         for (seq, n), kept in zip(entries, committed):
             if self.needs_hidden and hidden is not None and seq.status is Status.RUNNING:
