@@ -77,7 +77,7 @@ def dense_trainer(config: ModelConfig, seq_len: int, lr: float, warmup: int, tot
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return model, step
 
