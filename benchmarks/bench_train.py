@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from bench_train_parts import (ComponentTimer, DenseCausalLM, dense_like, heldout_bits_per_byte, matmul_gflops,
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=0.0, help="train each model this long and compare "
                         "held-out bits/byte (default: 0, speed only)")
     parser.add_argument("--eval-rows", type=int, default=64, help="held-out rows per evaluation (default: 64)")
+    parser.add_argument("--out", type=Path, default=None, help="result JSON (default: bench_train.json here)")
     args = parser.parse_args()
     apply_threads(args)
     if args.quick:
@@ -196,7 +198,7 @@ def main() -> None:
         result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows)
     result["machine"] = machine_info(quick=args.quick, loadavg_before=load_before, loadavg_after=os.getloadavg())
     report(result)
-    print(f"results: {write_json(__file__, result)}")
+    print(f"results: {write_json(__file__, result, out=args.out)}")
 
 
 def report(result: dict) -> None:
