@@ -21,7 +21,8 @@ from latentmoe_lab.cache import HybridCache
 from latentmoe_lab.config import DSA, KDA, ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.finite import all_finite, check_finite_logits
-from latentmoe_lab.layers.dsa import GatedDSA, link_shared_indexers
+from latentmoe_lab.layers.dsa import GatedDSA
+from latentmoe_lab.layers.dsa_indexer import link_shared_indexers
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.kda import KimiDeltaAttention
 from latentmoe_lab.layers.moe import LatentMoE

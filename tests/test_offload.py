@@ -73,17 +73,17 @@ def test_prefix_hits_with_offload_give_the_plain_tokens(model, prompts):
 
 @torch.no_grad()
 def test_bytes_moved_per_step_are_the_selected_rows_not_already_hot(model, prompts, monkeypatch):
-    import latentmoe_lab.layers.dsa as dsa
+    import latentmoe_lab.layers.dsa_paged as dsa_paged
 
     selections = []
-    original = dsa.paged_index_topk
+    original = dsa_paged.paged_index_topk
 
     def recording(*args, **kwargs):
         positions = original(*args, **kwargs)
         selections.append(positions)
         return positions
 
-    monkeypatch.setattr(dsa, "paged_index_topk", recording)
+    monkeypatch.setattr(dsa_paged, "paged_index_topk", recording)
     engine = Engine(model, _service(ON))
     rid = engine.add_request(prompts[0][:300], SamplingParams(max_tokens=8))
     sequence = engine._sequences[rid]

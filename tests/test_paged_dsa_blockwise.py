@@ -2,7 +2,7 @@
 (docs/design.md §1.4, §6.3).
 
 The reference twin is what GatedDSA's paged_reads="gather" does: copy each sequence's context out of the
-pool through its block table (_sequence_positions, or _gather_left_padded for a batch of decodes) and call
+pool through its block table (sequence_positions, or gather_left_padded for a batch of decodes) and call
 index_topk / sparse_attention on it. Selected positions must be identical (tie rule: equal scores go to
 the earlier position; the indexer's ReLU makes exact ties common, and a test forces them), outputs equal to
 1e-5. Shapes are ragged: contexts not a multiple of the block size, chunks of one token, contexts shorter
@@ -18,8 +18,9 @@ import torch
 from latentmoe_lab.analysis.memory import PeakMemory
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
-from latentmoe_lab.layers import dsa
-from latentmoe_lab.layers.dsa import GatedDSA, _sequence_positions
+from latentmoe_lab.layers import dsa_indexer, dsa_paged
+from latentmoe_lab.layers.dsa import GatedDSA
+from latentmoe_lab.layers.dsa_paged import gather_left_padded, sequence_positions
 from latentmoe_lab.ops.paged_sparse import paged_dense_attention, paged_index_topk, paged_sparse_attention
 from latentmoe_lab.ops.sparse_attention import index_topk, sparse_attention
 from latentmoe_lab.paged_pools import DSAPool, PagedPools
@@ -69,7 +70,7 @@ def test_prefill_chunk_selection_equals_the_gather_path(dtype, block_size, key_b
     _, read_index = _readers(pool)
     for i, (context, new) in enumerate(SEQUENCES):
         q_idx, w = _queries(1, new, dtype, seed=i)
-        keys_index = pool.read(_sequence_positions(batch, i, context + new))[1][None]
+        keys_index = pool.read(sequence_positions(batch, i, context + new))[1][None]
         reference = index_topk(q_idx, keys_index, w, k, offset=context)
         query_pos = (context + torch.arange(new))[None]
         blocks = paged_index_topk(q_idx, w, query_pos, batch.block_table[i:i + 1], block_size, read_index, k,
@@ -84,8 +85,7 @@ def test_batched_decode_selection_equals_the_left_padded_gather(dtype, block_siz
     _, read_index = _readers(pool)
     seqs = torch.tensor([i for i, (_, n) in enumerate(SEQUENCES) if n == 1])  # contexts 5, 37, 3, 130
     q_idx, w = _queries(len(seqs), 1, dtype, seed=7)
-    layer = GatedDSA(CONFIG)
-    _, keys_index, pad = layer._gather_left_padded(batch, pool, seqs, dtype)
+    _, keys_index, pad = gather_left_padded(batch, pool, seqs, dtype)
     padded = index_topk(q_idx, keys_index, w, 32, offset=keys_index.shape[1] - 1, first_key=pad)
     reference = torch.where(padded >= 0, padded - pad[..., None], -1)  # back to each sequence's own positions
     blocks = paged_index_topk(q_idx, w, batch.context_len[seqs][:, None], batch.block_table[seqs], block_size,
@@ -107,7 +107,7 @@ def test_tied_scores_go_to_the_earlier_position():
                                   read_index, k, key_block=24)
         expected = [p if p <= query else -1 for p in range(k)]
         assert blocks[0, 0].tolist() == expected
-        keys = pool.read(_sequence_positions(batch, i, query + 1))[1][None]
+        keys = pool.read(sequence_positions(batch, i, query + 1))[1][None]
         assert torch.equal(blocks, index_topk(q_idx, keys, w, k, offset=query))
 
 
@@ -123,7 +123,7 @@ def test_sparse_attention_over_selected_rows_equals_the_gathered_context(block_s
         positions = paged_index_topk(q_idx, w, (context + torch.arange(new))[None], table, block_size, read_index,
                                      32, key_block)
         out = paged_sparse_attention(q, positions, table, block_size, read_latent, value_dim, scale=0.3)
-        keys = pool.read(_sequence_positions(batch, i, context + new))[0][None, :, None, :]
+        keys = pool.read(sequence_positions(batch, i, context + new))[0][None, :, None, :]
         reference = sparse_attention(q, keys, keys[..., :value_dim], positions, scale=0.3)
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
@@ -150,8 +150,8 @@ def test_layer_blocks_equals_gather_on_a_mixed_batch(block_size, key_block, quer
         selected["blocks"].append(positions.reshape(-1, positions.shape[-1]))
         return positions
 
-    monkeypatch.setattr(dsa, "index_topk", record_gather)
-    monkeypatch.setattr(dsa, "paged_index_topk", record_blocks)
+    monkeypatch.setattr(dsa_indexer, "index_topk", record_gather)
+    monkeypatch.setattr(dsa_paged, "paged_index_topk", record_blocks)
     torch.manual_seed(0)
     layer = GatedDSA(CONFIG, query_block=query_block, key_block=key_block).eval()
     batch = _batch(block_size)
@@ -182,7 +182,7 @@ def test_the_dense_prefix_covers_exactly_the_queries_that_see_at_most_topk_keys(
         scored.append(args[2].clone())  # query_pos
         return paged_index_topk(*args)
 
-    monkeypatch.setattr(dsa, "paged_index_topk", record_blocks)
+    monkeypatch.setattr(dsa_paged, "paged_index_topk", record_blocks)
     block_size, topk = 16, CONFIG.indexer.topk
     layer = GatedDSA(CONFIG, query_block=query_block).eval()
     blocks = -(-(context + new) // block_size)

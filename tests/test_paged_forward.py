@@ -235,10 +235,10 @@ def test_logits_shape_and_finite_flags(model):
 
 
 def test_decode_groups_cover_every_decode_and_bound_the_padding():
-    from latentmoe_lab.layers.dsa import _decode_groups
+    from latentmoe_lab.layers.dsa_paged import decode_groups
     contexts = [16000, 5, 6, 300, 7, 280, 0]
     decodes = [0, 1, 2, 3, 4, 5, 6]
-    groups = _decode_groups(decodes, contexts)
+    groups = decode_groups(decodes, contexts)
     assert sorted(s for g in groups for s in g) == decodes
     for group in groups:
         keys = [contexts[s] + 1 for s in group]

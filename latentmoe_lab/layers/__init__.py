@@ -1,5 +1,6 @@
 """nn.Modules of the model: attention (KDA, Gated DSA), FFNs (dense SwiGLU, LatentMoE), norms, vision tower."""
-from latentmoe_lab.layers.dsa import GatedDSA, LightningIndexer
+from latentmoe_lab.layers.dsa import GatedDSA
+from latentmoe_lab.layers.dsa_indexer import LightningIndexer
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.kda import KimiDeltaAttention
 from latentmoe_lab.layers.moe import Dispatcher, LatentExperts, LatentMoE, LocalDispatcher

@@ -7,12 +7,13 @@ Memory per device (the most loaded pipeline stage decides whether a layout fits)
   weights     this rank's slice, counted on meta-device modules built at the local width: attention
               at heads / tp, experts E / ep at intermediate / tp, shared / dense FFN at width / tp;
               router, latent projections, norms, the DSA indexer and embeddings stay whole (as in
-              the runtime). Routed experts in the workload's format when serving, bf16 otherwise.
+              the runtime); a DSA layer that reuses another's selection (dsa.index_share_every > 1)
+              has no indexer. Routed experts in the workload's format when serving, bf16 otherwise.
   grads, optimizer (train)  fp32 grads; Adam's fp32 master + 2 moments sharded over the ranks
               that replicate a parameter (dp*ep for dense parts, dp for experts).
   kv_state    KDA state (fp32) + conv tail per KDA layer; per DSA layer the MLA latent and rope
-              key (cache_bytes) and FP8 index keys + scale, for every token of context. The CP
-              runtime gathers the DSA cache, so cp does not divide it.
+              key (cache_bytes) and, in layers with their own indexer, FP8 index keys + scale, for
+              every token of context. The CP runtime gathers the DSA cache, so cp does not divide it.
   activations train: layer inputs kept for recomputation x micro-batches alive (1F1B: pp, GPipe:
               all) + one layer's working set + fp32 logits; serve: one prefill chunk's working set.
 """
@@ -22,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from latentmoe_lab.config import KDA, ModelConfig
+from latentmoe_lab.config import DSA, KDA, ModelConfig
 from latentmoe_lab.meta import BITS_PER_WEIGHT, format_bytes
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.hardware import SERVE_128K, TRAIN_8K, Hardware, Workload
@@ -72,10 +73,11 @@ class LayoutPlan:
 @lru_cache(maxsize=32)
 def _local_block_params(config_json: str, tp: int, ep: int,
                         redundant_experts: int = 0) -> dict[tuple[str, bool], dict[str, int]]:
-    """{(attention type, is_moe): {"experts": n, "other": n}} parameters of one layer on one rank."""
+    """{(block kind, is_moe): {"experts": n, "other": n}} parameters of one layer on one rank (_block_kind)."""
     from accelerate import init_empty_weights
 
     from latentmoe_lab.layers.dsa import GatedDSA
+    from latentmoe_lab.layers.dsa_indexer import SharedSelection
     from latentmoe_lab.layers.kda import KimiDeltaAttention
     from latentmoe_lab.layers.moe import LatentMoE
     from latentmoe_lab.parallel.tensor import local_config
@@ -84,7 +86,10 @@ def _local_block_params(config_json: str, tp: int, ep: int,
     d, moe = config.hidden_size, config.moe
     local = local_config(config, tp)
     with init_empty_weights(include_buffers=True):
-        attention = {"kda": _numel(KimiDeltaAttention(local)), "dsa": _numel(GatedDSA(local))}
+        reuser = GatedDSA(local)
+        reuser.share_selection(SharedSelection(0), "reuse")  # drops the indexer, as the model's reusing layers do
+        attention = {"kda": _numel(KimiDeltaAttention(local)), "dsa": _numel(GatedDSA(local)),
+                     "dsa_reuse": _numel(reuser)}
         full_moe = LatentMoE(config)
     experts_full, shared_full = _numel(full_moe.experts), _numel(full_moe.shared) if full_moe.shared else 0
     moe_other = _numel(full_moe) - experts_full - shared_full + shared_full // tp
@@ -92,7 +97,7 @@ def _local_block_params(config_json: str, tp: int, ep: int,
     experts_local = slots * 3 * moe.latent_size * (moe.expert_intermediate_size // tp)
     dense = 3 * d * (config.dense_intermediate_size // tp)
     out = {}
-    for kind in ("kda", "dsa"):
+    for kind in attention:
         out[(kind, False)] = {"experts": 0, "other": attention[kind] + 2 * d + dense}
         out[(kind, True)] = {"experts": experts_local, "other": attention[kind] + 2 * d + moe_other}
     return out
@@ -100,6 +105,13 @@ def _local_block_params(config_json: str, tp: int, ep: int,
 
 def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _block_kind(config: ModelConfig, layer: int) -> str:
+    """"kda", "dsa" (a DSA layer with its own indexer) or "dsa_reuse" (one replaying another layer's top-k)."""
+    if config.layer_types[layer] == DSA and config.index_source(layer) != layer:
+        return "dsa_reuse"
+    return config.layer_types[layer]
 
 
 def stage_parameters(config: ModelConfig, pconfig: ParallelConfig,
@@ -115,7 +127,7 @@ def stage_parameters(config: ModelConfig, pconfig: ParallelConfig,
     for s, stage in enumerate(stages):
         counts = {"experts": 0, "other": 0}
         for i in stage:
-            for key, n in blocks[(config.layer_types[i], config.is_moe_layer(i))].items():
+            for key, n in blocks[(_block_kind(config, i), config.is_moe_layer(i))].items():
                 counts[key] += n
         if s == 0:
             counts["other"] += config.vocab_size * config.hidden_size
@@ -174,7 +186,9 @@ def _cache_bytes_per_sequence(config: ModelConfig, pconfig: ParallelConfig, work
         conv = (2 * kda.head_dim_k + kda.head_dim_v) * heads * (kda.conv_kernel - 1) * workload.act_bytes
         return heads * kda.head_dim_k * kda.head_dim_v * 4 + conv
     mla = config.mla
-    per_token = (mla.kv_lora_rank + mla.qk_rope_head_dim) * workload.cache_bytes + config.indexer.head_dim + 4
+    per_token = (mla.kv_lora_rank + mla.qk_rope_head_dim) * workload.cache_bytes
+    if _block_kind(config, layer) == DSA:  # a reusing layer caches no index keys
+        per_token += config.indexer.head_dim + 4
     return workload.seq_len * per_token
 
 

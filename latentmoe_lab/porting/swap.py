@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from latentmoe_lab.layers import dsa as dsa_layer
+from latentmoe_lab.layers import dsa_indexer as indexer_layer
 from latentmoe_lab.layers import kda as kda_layer
 from latentmoe_lab.layers import moe as moe_layer
 from latentmoe_lab.ops.kda import resolve_scale
@@ -29,7 +30,7 @@ _ORIGINAL = {
     (moe_layer, "route_topk"): moe_layer.route_topk,
     (moe_layer, "plan_dispatch"): moe_layer.plan_dispatch,
     (moe_layer, "grouped_matmul"): moe_layer.grouped_matmul,
-    (dsa_layer, "index_topk"): dsa_layer.index_topk,
+    (indexer_layer, "index_topk"): indexer_layer.index_topk,
     (dsa_layer, "sparse_attention"): dsa_layer.sparse_attention,
 }
 
@@ -75,7 +76,7 @@ def _grouped_matmul(x, w, offsets, impl="auto", backend="auto"):
 
 def _index_topk(q_idx, k_idx, w, k, offset=0, first_key=None, backend="auto"):
     if first_key is not None:  # packed sequences: the reference handles the per-query first key
-        return _ORIGINAL[(dsa_layer, "index_topk")](q_idx, k_idx, w, k, offset, first_key, backend)
+        return _ORIGINAL[(indexer_layer, "index_topk")](q_idx, k_idx, w, k, offset, first_key, backend)
     return OPS["index_topk"](q_idx, k_idx, w, k, offset)
 
 
@@ -89,7 +90,7 @@ _WRAPPERS = {
     (moe_layer, "route_topk"): _route_topk,
     (moe_layer, "plan_dispatch"): _plan_dispatch,
     (moe_layer, "grouped_matmul"): _grouped_matmul,
-    (dsa_layer, "index_topk"): _index_topk,
+    (indexer_layer, "index_topk"): _index_topk,
     (dsa_layer, "sparse_attention"): _sparse_attention,
 }
 
