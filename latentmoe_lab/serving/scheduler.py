@@ -188,9 +188,10 @@ class Scheduler:
 
     def _chunk_length(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
         """New tokens for a prefilling sequence: budget-bound, block-aligned when prefix caching is on."""
+        left = self._prefill_left(seq)
         if not self.chunked_prefill:
-            return seq.num_remaining if seq.num_remaining <= budget or first_prefill else 0
-        n = min(seq.num_remaining, budget)
+            return left if left <= budget or first_prefill else 0
+        n = min(left, budget)
         if self.blocks.enable_prefix_caching:
             boundary = (seq.num_computed + n) // self.block_size * self.block_size
             if boundary > seq.num_computed:
@@ -199,9 +200,18 @@ class Scheduler:
 
     def _on_grid(self, seq: Sequence, n: int) -> int:
         """n, or less so that a chunk short of the prompt's end ends on the chunk grid (0 if none is in reach)."""
-        if self.chunk_grid == 1 or n >= seq.num_remaining:
+        if self.chunk_grid == 1 or n >= self._prefill_left(seq):
             return n
         return max(0, (seq.num_computed + n) // self.chunk_grid * self.chunk_grid - seq.num_computed)
+
+    def _holds_last(self, seq: Sequence) -> bool:
+        """Speculating: the last token runs as a verify step with drafts, never at the end of a prefill chunk,
+        so a sampled token's draws do not depend on where chunks, preemptions or prefix hits fell."""
+        return self.spec_tokens > 0 and seq.max_tokens > 0
+
+    def _prefill_left(self, seq: Sequence) -> int:
+        """Tokens prefill chunks may still take: all remaining ones, or all but the last (_holds_last)."""
+        return seq.num_remaining - (1 if self._holds_last(seq) and seq.num_remaining > 1 else 0)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table))
@@ -229,7 +239,7 @@ class Scheduler:
         # at least one token must run to produce logits, so the last token never comes from the cache
         hit_blocks, snapshot_row = [], None
         if self.blocks.enable_prefix_caching and not seq.needs_prompt_logits:  # those positions must run
-            full_blocks = (seq.num_tokens - 1) // self.block_size
+            full_blocks = (seq.num_tokens - 1 - self._holds_last(seq)) // self.block_size
             hit_blocks, snapshot_row = self.blocks.match_prefix(seq.block_hashes(full_blocks, self.block_size))
         hit_tokens = len(hit_blocks) * self.block_size
         if hit_blocks:
