@@ -4,7 +4,8 @@ For each torch thread count and batch size (max_num_seqs), the same greedy reque
 without a speculative section and with each method; every spec run's tokens must equal the baseline's
 (greedy speculation is exact). The runs take turns for --repeats rounds and the best of each counts (a shared
 machine's load then hits them alike). Reported: decode tokens/s (tokens emitted by steps without prefill over their
-time), its ratio over the baseline, the end-to-end ratio (prefill included), the mean accepted length (tokens per verify step: accepted drafts + 1) and the acceptance rate per
+time), its ratio over the baseline, the same per CPU-second of this process (steadier than wall time on a
+shared machine; with 2 threads it counts both), the end-to-end ratio (prefill included), the mean accepted length (tokens per verify step: accepted drafts + 1) and the acceptance rate per
 draft position.
 
     python benchmarks/bench_spec.py --checkpoint DIR     a save_pretrained model with an MTP head (train it
@@ -51,10 +52,10 @@ def run(model, prompts, method, k, batch, new_tokens) -> dict:
     engine = Engine(model, service(method, k, batch, len(max(prompts, key=len)) + new_tokens + 8))
     ids = [engine.add_request(p, SamplingParams(max_tokens=new_tokens)) for p in prompts]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
-    decode_tokens, decode_seconds = 0, 0.0
+    decode_tokens, decode_seconds, decode_cpu = 0, 0.0, 0.0
     start = time.perf_counter()
     while engine.has_unfinished():
-        step_start = time.perf_counter()
+        step_start, cpu_start = time.perf_counter(), time.process_time()
         outputs = engine.step()
         emitted = sum(len(o.new_token_ids) for o in outputs)
         for out in outputs:
@@ -62,9 +63,11 @@ def run(model, prompts, method, k, batch, new_tokens) -> dict:
         if engine.log.steps[-1].prefill_tokens == 0:
             decode_tokens += emitted
             decode_seconds += time.perf_counter() - step_start
+            decode_cpu += time.process_time() - cpu_start
     seconds = time.perf_counter() - start
     stats = engine.stats()
     return {"tokens": [tokens[i] for i in ids], "tok_s": decode_tokens / decode_seconds,
+            "tok_cpu_s": decode_tokens / decode_cpu,
             "e2e_tok_s": sum(map(len, tokens.values())) / seconds,
             "mean_accepted_length": stats["spec_mean_accepted_length"],
             "acceptance_per_position": [round(r, 3) for r in stats["spec_acceptance_rate_per_position"]]}
@@ -98,8 +101,9 @@ def main() -> None:
     prompts = code_prompts(args.prompts, args.prompt_bytes)
     rows = []
     print(f"{label}: {len(prompts)} prompts of {args.prompt_bytes} bytes, {args.new_tokens} new tokens, K={args.k}")
-    print(f"{'threads':>7} {'batch':>5} {'method':>6} {'tok/s':>8} {'ratio':>6} {'e2e ratio':>9} {'accepted len':>12}"
-          "  per position   (tok/s: decode steps only; e2e: prefill included)")
+    print(f"{'threads':>7} {'batch':>5} {'method':>6} {'tok/s':>8} {'ratio':>6} {'cpu ratio':>9} {'e2e ratio':>9} "
+          f"{'accepted len':>12}  per position   (tok/s: decode steps only; cpu: per CPU-second of this process; "
+          "e2e: prefill included)")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batches:
@@ -111,17 +115,18 @@ def main() -> None:
                     if method not in best or result["tok_s"] > best[method]["tok_s"]:
                         best[method] = result
             base = best[None]
-            print(f"{threads:>7} {batch:>5} {'off':>6} {base['tok_s']:>8.1f} {1.0:>6.2f} {1.0:>9.2f}")
+            print(f"{threads:>7} {batch:>5} {'off':>6} {base['tok_s']:>8.1f} {1.0:>6.2f} {1.0:>9.2f} {1.0:>9.2f}")
             for method in methods:
                 spec = best[method]
                 if spec["tokens"] != base["tokens"]:
                     raise SystemExit(f"{method}: greedy tokens differ from the run without speculation")
                 ratio, e2e = spec["tok_s"] / base["tok_s"], spec["e2e_tok_s"] / base["e2e_tok_s"]
-                print(f"{threads:>7} {batch:>5} {method:>6} {spec['tok_s']:>8.1f} {ratio:>6.2f} {e2e:>9.2f} "
+                cpu = spec["tok_cpu_s"] / base["tok_cpu_s"]
+                print(f"{threads:>7} {batch:>5} {method:>6} {spec['tok_s']:>8.1f} {ratio:>6.2f} {cpu:>9.2f} {e2e:>9.2f} "
                       f"{spec['mean_accepted_length']:>12.2f}  {spec['acceptance_per_position']}")
                 rows.append({"model": label, "threads": threads, "batch": batch, "method": method,
                              "tok_s": spec["tok_s"], "baseline_tok_s": base["tok_s"], "ratio": ratio,
-                             "e2e_ratio": e2e,
+                             "e2e_ratio": e2e, "cpu_ratio": cpu,
                              "mean_accepted_length": spec["mean_accepted_length"],
                              "acceptance_per_position": spec["acceptance_per_position"]})
     if args.out:
