@@ -22,11 +22,13 @@ requests >= 3x lower with 1P1D, throughput within 0.8x of colocated. Writes benc
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import statistics
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 from common import machine_info, make_parser, write_json
@@ -127,58 +129,74 @@ def transfers(worker: DisaggWorker, records: list[dict]) -> dict:
                                                     for row in long_rows)}
 
 
+def run_mode(mode: str, checkpoint: str, max_model_len: int, shape: dict, requests: list[dict]) -> tuple[dict, list]:
+    engine_config, settings = split_service_dict(service(checkpoint, max_model_len, mode))
+    worker = (DisaggWorker(engine_config, settings, load_model) if mode == "1P1D"
+              else EngineWorker(engine_config, settings, lambda: load_model(engine_config)))
+    worker.start()
+    try:
+        run(worker, workload({**shape, "short": 2, "long": 0}, seed=1), 4)  # warm-up
+        records = run(worker, requests, shape["new_tokens"])
+        result = summary(records)
+        if mode == "1P1D":
+            result["transfers"] = transfers(worker, records)
+        return result, [r["ids"] for r in records]
+    finally:
+        worker.stop()
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the repeats (the transfers of the last run)."""
+    merged = {key: statistics.median(run[key] for run in runs) for key, value in runs[0].items()
+              if isinstance(value, (int, float))}
+    return merged | ({"transfers": runs[-1]["transfers"]} if "transfers" in runs[-1] else {}) | {"runs": runs}
+
+
 def main() -> None:
     parser = make_parser(__doc__, None, full_doc=True)
     parser.add_argument("--gap", type=float, default=None, help="seconds between arrivals (default: the shape's)")
     parser.add_argument("--long-tokens", type=int, default=None,
                         help="tokens of a long prompt (default: the shape's, 8192; fewer on a busy machine)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved; medians reported")
+    parser.add_argument("--out", default=None, help="JSON path (default: next to the script)")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if "1P1D" not in modes or not set(modes) <= set(MODES):
+        raise SystemExit(f"--modes: 1P1D and some of {list(MODES)}, got {args.modes!r}")
     shape = dict(QUICK if args.quick else FULL)
     shape["gap_s"] = args.gap or shape["gap_s"]
     shape["long_tokens"] = args.long_tokens or shape["long_tokens"]
     torch.set_num_threads(1)  # this process only routes; the forwards run in their processes
     requests = workload(shape)
     max_model_len = shape["long_tokens"] + shape["new_tokens"] + 64
+    runs, outputs = {mode: [] for mode in modes}, {}
     with tempfile.TemporaryDirectory() as checkpoint:
         config = dataclasses.replace(ModelConfig.from_preset("tiny"), max_position_embeddings=16384)
         torch.manual_seed(0)
         LatentMoEForCausalLM(config).save_pretrained(checkpoint)
-        results, outputs = {}, {}
-        for mode in MODES:
-            engine_config, settings = split_service_dict(service(checkpoint, max_model_len, mode))
-            worker = (DisaggWorker(engine_config, settings, load_model) if mode == "1P1D"
-                      else EngineWorker(engine_config, settings, lambda c=engine_config: load_model(c)))
-            worker.start()
-            try:
-                run(worker, workload({**shape, "short": 2, "long": 0}, seed=1), 4)  # warm-up
-                records = run(worker, requests, shape["new_tokens"])
-                results[mode] = summary(records)
-                if mode == "1P1D":
-                    results[mode]["transfers"] = transfers(worker, records)
-                outputs[mode] = [r["ids"] for r in records]
-            finally:
-                worker.stop()
-            print(mode, {k: round(v, 4) if isinstance(v, float) else v for k, v in results[mode].items()}, flush=True)
-    colocated, split = results["colocated"], results["1P1D"]
-    result = machine_info(shape=shape, modes=results,
-                          outputs_equal=outputs["colocated"] == outputs["1P1D"] == outputs["colocated_1thread"],
-                          tpot_short_p99_ratio=colocated["p99_tpot_short_s"] / split["p99_tpot_short_s"],
-                          ttft_p99_ratio=colocated["p99_ttft_s"] / split["p99_ttft_s"],
-                          throughput_ratio=split["throughput_tok_s"] / colocated["throughput_tok_s"],
-                          vs_colocated_1thread={
-                              "tpot_short_p99_ratio": results["colocated_1thread"]["p99_tpot_short_s"]
-                              / split["p99_tpot_short_s"],
-                              "ttft_p99_ratio": results["colocated_1thread"]["p99_ttft_s"] / split["p99_ttft_s"],
-                              "throughput_ratio": split["throughput_tok_s"]
-                              / results["colocated_1thread"]["throughput_tok_s"]})
-    print(f"p99 TPOT (short) colocated / 1P1D: {result['tpot_short_p99_ratio']:.2f}x (target >= 3)")
-    print(f"p99 TTFT colocated / 1P1D: {result['ttft_p99_ratio']:.2f}x")
-    print(f"throughput 1P1D / colocated: {result['throughput_ratio']:.2f} (target >= 0.8)")
-    print(f"against colocated with 1 thread: {result['vs_colocated_1thread']}")
+        for repeat in range(args.repeats):
+            for mode in modes:
+                figures, outputs[mode] = run_mode(mode, checkpoint, max_model_len, shape, requests)
+                figures["load_average"] = os.getloadavg()[0]
+                runs[mode].append(figures)
+                print(repeat, mode, {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()},
+                      flush=True)
+    results = {mode: median_run(mode_runs) for mode, mode_runs in runs.items()}
+    split = results["1P1D"]
+    ratios = {baseline: {"tpot_short_p99": results[baseline]["p99_tpot_short_s"] / split["p99_tpot_short_s"],
+                         "ttft_p99": results[baseline]["p99_ttft_s"] / split["p99_ttft_s"],
+                         "throughput_1p1d_over_baseline": split["throughput_tok_s"] / results[baseline]["throughput_tok_s"]}
+              for baseline in modes if baseline != "1P1D"}
+    result = machine_info(shape=shape, repeats=args.repeats, modes=results, ratios=ratios,
+                          outputs_equal=all(ids == outputs["1P1D"] for ids in outputs.values()))
+    for baseline, ratio in ratios.items():
+        print(f"{baseline} / 1P1D: p99 TPOT (short) {ratio['tpot_short_p99']:.2f}x (target >= 3), p99 TTFT "
+              f"{ratio['ttft_p99']:.2f}x; throughput 1P1D / {baseline} {ratio['throughput_1p1d_over_baseline']:.2f} "
+              f"(target >= 0.8)")
     print(f"outputs equal: {result['outputs_equal']}")
-    out = write_json(__file__, result, None if not args.quick else
-                     __import__("pathlib").Path(__file__).with_name("bench_disagg_quick.json"))
-    print(f"wrote {out}")
+    default = Path(__file__).with_name("bench_disagg_quick.json" if args.quick else "bench_disagg.json")
+    print(f"wrote {write_json(__file__, result, Path(args.out) if args.out else default)}")
 
 
 if __name__ == "__main__":
