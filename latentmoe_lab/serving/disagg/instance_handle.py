@@ -5,7 +5,6 @@ import multiprocessing
 import queue
 import socket
 import threading
-from collections import deque
 
 from latentmoe_lab.serving.disagg.instance import InstanceSpec, run_instance
 from latentmoe_lab.serving.disagg.service_channel import Channel
@@ -21,7 +20,6 @@ class Instance:
         self.alive = True
         self.identity = self.vocab_size = self.pid = None
         self.stats: dict = {}
-        self.timeline: deque = deque(maxlen=4096)  # (time, running, waiting, blocks_used) per step
         self.outbox: queue.Queue = queue.Queue()
         self.start_error: str | None = None
         ours, theirs = socket.socketpair()

@@ -210,8 +210,6 @@ class Router:
             return
         if kind == "stats":
             instance.stats = header[1]
-            s = header[1]
-            instance.timeline.append((s["time"], s["running"], s["waiting"], s["blocks_used"], s["slots_used"]))
             return
         request = self._requests.get(header[1])
         if request is None:  # finished or aborted meanwhile: give back what the instance still holds
