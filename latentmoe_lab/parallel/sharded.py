@@ -53,13 +53,14 @@ def parallelize(model: LatentMoEForCausalLM, comm: Comm, placement: torch.Tensor
     if placement is not None:
         check_placement(placement, sum(map(config.is_moe_layer, range(config.num_layers))), config.moe.num_experts,
                         pconfig.ep)
-    blocks = nn.ModuleList()
-    for i in stages[mesh.index("pp")]:
-        block = copy.deepcopy(model.layers[i])
+    blocks, selections = nn.ModuleList(), {}  # selections: this rank's SharedSelection per index source layer
+    stage = stages[mesh.index("pp")]
+    # one deepcopy for the stage, so a reusing DSA layer's copy still replays its source copy's selections
+    for i, block in zip(stage, copy.deepcopy(nn.ModuleList(model.layers[i] for i in stage))):
         attn = block.attn
         if tp > 1:
             attn = shard_kda(attn, config, tp_index, tp) if block.attention_type == KDA else shard_dsa(
-                attn, config, tp_index, tp)
+                attn, config, tp_index, tp, selections)
         if pconfig.cp > 1:
             attn = (ContextParallelKDA(attn, comm, layout, pending_sends) if block.attention_type == KDA
                     else ContextParallelDSA(attn, comm, layout))

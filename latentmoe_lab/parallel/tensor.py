@@ -9,6 +9,9 @@ weights, so the layer code and its math stay untouched:
     replicated:                           low-rank down projections (f_down, W_qa, W_kva), norms,
                                           the DSA lightning indexer (cheap, and its top-k must agree)
 
+Index sharing (dsa.index_share_every > 1) keeps its roles: a sharded source records its selections into a
+SharedSelection of this rank, and the sharded layers after it that reuse them (no indexer to load) replay it.
+
 `TensorParallel` wraps such a module and completes its partial output: an all-reduce, or with
 sequence parallelism an all-gather of the input sequence and a reduce-scatter of the output.
 """
@@ -21,6 +24,7 @@ from torch import nn
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.dsa import GatedDSA
+from latentmoe_lab.layers.dsa_indexer import SharedSelection
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.kda import KimiDeltaAttention
 from latentmoe_lab.layers.moe import LatentExperts
@@ -80,10 +84,22 @@ def shard_kda(attn: KimiDeltaAttention, config: ModelConfig, index: int, parts: 
     return _load_slices(KimiDeltaAttention(local_config(config, parts)), attn, rules, index, parts)
 
 
-def shard_dsa(attn: GatedDSA, config: ModelConfig, index: int, parts: int) -> GatedDSA:
-    """Gated DSA with a 1/parts slice of the MLA heads; latent, rope key and indexer stay whole."""
+def shard_dsa(attn: GatedDSA, config: ModelConfig, index: int, parts: int,
+              selections: dict[int, SharedSelection] | None = None) -> GatedDSA:
+    """Gated DSA with a 1/parts slice of the MLA heads; latent, rope key and indexer stay whole.
+
+    A layer that shares selections (dsa.index_share_every > 1) keeps its role: selections maps a source layer
+    to this rank's SharedSelection, filled in by the first call that needs it, so a source and its reusers
+    sharded with the same dict (in layer order) are linked as in the model. A reuser has no indexer to load;
+    sharded without its source, it raises at its first forward (nothing recorded for it to replay).
+    """
+    local = GatedDSA(local_config(config, parts))
+    if attn.selection_role != "own":
+        source = attn.shared_selection.source_layer
+        shared = (selections if selections is not None else {}).setdefault(source, SharedSelection(source))
+        local.share_selection(shared, attn.selection_role)
     rules = {"wq_b.weight": (ROWS,), "wkv_b.weight": (ROWS,), "w_gate.weight": (ROWS,), "wo.weight": (COLS,)}
-    return _load_slices(GatedDSA(local_config(config, parts)), attn, rules, index, parts)
+    return _load_slices(local, attn, rules, index, parts)
 
 
 def shard_swiglu(ffn: SwiGLU, index: int, parts: int) -> SwiGLU:
