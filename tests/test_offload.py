@@ -11,7 +11,7 @@ from latentmoe_lab.parallel.roofline import decode_roofline, layer_time
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.offload_plan import request_tier_bytes
 from latentmoe_lab.serving.sequence import Status
-from latentmoe_lab.serving.planner import check_engine_plan, plan_cache
+from latentmoe_lab.serving.planner import plan_cache
 
 HOT_ROWS = 40  # tiny's indexer keeps 32 rows; the long prompt has 1500
 
@@ -139,10 +139,6 @@ def test_bad_offload_settings_name_the_key(tiny_config):
                              ({"host_cache_bytes": -5}, "host_cache_bytes: must be a positive integer")):
         with pytest.raises(ValueError, match=message):
             _service(offload)
-    layout = {"model": {"preset": "tiny", "max_model_len": 256}, "parallel": {"pipeline_parallel_size": 2},
-              "memory": {"cache_bytes": 2_000_000, "offload": ON}}
-    with pytest.raises(ValueError, match="memory.offload: the host tier serves the in-process engine only"):
-        check_engine_plan(ServiceConfig.from_dict(layout))
 
 
 def test_offload_plan_and_the_one_million_token_figures():

@@ -216,18 +216,6 @@ def test_config_errors_name_the_key(section, memory, message):
         ServiceConfig.from_dict(data)
 
 
-@pytest.mark.parametrize("parallel", [{"forward_process": True}, {"tensor_parallel_size": 2}])
-def test_the_spill_needs_the_forward_in_the_engines_process(model, parallel):
-    data = {"model": {"max_model_len": 64}, "memory": {"cache_bytes": 1 << 20, "enable_prefix_caching": True},
-            "prefix_cache": {"host_bytes": 1}}
-    with pytest.raises(ValueError, match="prefix_cache.host_bytes: needs the forward in the engine's process"):
-        ServiceConfig.from_dict(data | {"parallel": parallel})
-    config = ServiceConfig.from_dict(data)
-    config.parallel.forward_process = True  # changed after loading: the engine refuses it too
-    with pytest.raises(ValueError, match="prefix_cache: the spill reads the pools held by the engine's process"):
-        Engine(model, config)
-
-
 def test_the_host_tier_demotes_its_least_recently_used_entries():
     demoted = []
     host = HostTier(100, lambda h, kind, tensors: demoted.append((h, kind)))

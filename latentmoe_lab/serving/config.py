@@ -293,7 +293,7 @@ class ServiceConfig:
                "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
         check_speculative(self.speculative)
         self._check_roles()
-        check_prefix_cache(self.prefix_cache, mem, p)
+        check_prefix_cache(self.prefix_cache, mem)
         _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
                f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
                f"every running sequence")

@@ -45,10 +45,11 @@ from latentmoe_lab.serving.invariance import batch_invariant_grid
 from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
 from latentmoe_lab.serving.logprobs import TokenLogprob, token_logprobs
 from latentmoe_lab.serving.model_runner import ModelRunner, record_prompt_logprobs, verify_logit_rows
+from latentmoe_lab.serving.offload_stats import offload_stats
 from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
 from latentmoe_lab.serving.pipeline_stage import plan_stages
 from latentmoe_lab.serving.planner import allocate_pools, plan_cache, with_cache_budget
-from latentmoe_lab.serving.prefix_spill import block_manager_for, flush_spill, spill_stats
+from latentmoe_lab.serving.prefix_spill import block_manager_for, connect_workers, flush_spill, spill_stats
 from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
@@ -100,7 +101,8 @@ class Engine:
         self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
         self.plan = plan_cache(self.model_config, cfg) if layout is None else self.stages[0].plan
         self.pools = None if layout is not None else allocate_pools(self.model_config, self.plan, device)
-        self.block_manager = block_manager_for(model, cfg, self.plan, self.pools)  # with a prefix_cache: spill
+        # with a prefix_cache: spill (its rows in self.pools, or in the workers' pools once the runner starts)
+        self.block_manager = block_manager_for(model, cfg, self.plan, self.pools, self.stages)
         self.log = MetricsLog(cfg.scheduler.max_log_records)
         self._sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -119,6 +121,7 @@ class Engine:
                        if layout is None
                        else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout),
                                            self.balancer, self.expert_load))
+        connect_workers(self.block_manager, self.runner)  # a spill over worker processes reads their pools
         copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
                                    cfg.scheduler.chunked_prefill, copy_slot, grid,
@@ -419,7 +422,8 @@ class Engine:
                 "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", [])),
                 "rank_resident_bytes": list(getattr(self.runner, "rank_resident_bytes", [])),
                 **spec_stats(self.speculator),  # speculative decoding: drafts verified, accepted, per position
-                **self._expert_stats(), **spill_stats(bm)}
+                **self._expert_stats(), **spill_stats(bm),
+                **offload_stats(self.config, self.pools, self.runner)}  # memory.offload's host tier
 
     def _expert_stats(self) -> dict:
         """Balancedness of the recorder's window over the EP ranks (with EPLB's current slots) and the

@@ -294,6 +294,7 @@ class ParallelRunner(ModelRunner):
         self.balancer, self.recorder = balancer, recorder
         self.eplb_bytes_moved = 0
         self.rank_expert_pairs = [0] * pconfig.world_size  # (token, expert) pairs each rank's experts computed
+        self.rank_offload: list[dict | None] = [None] * pconfig.world_size  # OffloadedPools.stats() of each rank
         self.last_expert_counts: torch.Tensor | None = None  # [MoE layers, E] of the last step
         self._steps = 0
         self.restarts = 0
@@ -320,9 +321,12 @@ class ParallelRunner(ModelRunner):
     def copy_slot(self, src: int, dst: int) -> None:
         self._copies.append((src, dst))
 
-    def read_rows(self, positions: list[int], slot: int) -> list[dict[str, torch.Tensor]]:
-        """Every rank's rows of one request (flat positions, KDA slot; serving/disagg/), in rank order."""
-        return self.group.exchange_rows({"kind": "read_rows", "positions": positions, "slot": slot})
+    def read_rows(self, positions: list[int], slot: int | None) -> list[dict[str, torch.Tensor]]:
+        """Every rank's rows at flat positions and KDA slot (None: no slot), in rank order, after the queued
+        slot copies (serving/disagg/: one request; serving/prefix_spill_workers.py: a block, a snapshot row)."""
+        header = {"kind": "read_rows", "positions": positions, "slot": slot, "copies": self._copies}
+        self._copies = []
+        return self.group.exchange_rows(header)
 
     def write_rows(self, positions: list[int], slot: int, shares: list[dict[str, torch.Tensor]]) -> None:
         """Store each rank's share of one request's rows (shares in rank order), after the queued slot copies."""
@@ -361,6 +365,7 @@ class ParallelRunner(ModelRunner):
                                              for s in range(self.pconfig.pp)])
         self.eplb_bytes_moved += sum(load["moved"] for load in loads)
         self.rank_expert_pairs = [load["pairs"] for load in loads]  # since the group started
+        self.rank_offload = [load["offload"] for load in loads]  # memory.offload counters, since the group started
         self._steps += 1
         self.restarts_in_a_row = 0
         return CausalLMOutput(logits=logits, finite=finite)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from latentmoe_lab.config import KDA, ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.offload_tier import OffloadedPools
 from latentmoe_lab.parallel.comm import Comm, CollectiveError
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.eplb_load import moe_layers
@@ -213,17 +214,19 @@ def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: Mode
 
 
 def exchange_rows(pools, rank: int, header: dict) -> dict[str, tuple]:
-    """A prefill -> decode transfer's rows of one request (serving/disagg/): "read_rows" -> this rank's rows;
-    "write_rows" -> the step's queued KDA slot copies first (a snapshot copy must not read the new rows),
-    then this rank's share stored; -> {}. Rows travel as disagg.pool_rows.rows_to_wire tuples."""
+    """Rows of one request (a prefill -> decode transfer, serving/disagg/) or of one prefix-cache block and
+    snapshot row (the spill, serving/prefix_spill_workers.py), the queued KDA slot copies applied first (a
+    snapshot copy must not read rows written after it, and a row read must hold its queued snapshot):
+    "read_rows" -> this rank's rows; "write_rows" -> this rank's share stored; -> {}. Rows travel as
+    disagg.pool_rows.rows_to_wire tuples."""
     from latentmoe_lab.serving.disagg.pool_rows import (read_request_rows, rows_from_wire, rows_to_wire,
                                                         write_request_rows)
 
     positions = torch.tensor(header["positions"], dtype=torch.int64)
+    for src, dst in header["copies"]:  # a read too: a queued snapshot copy may fill the row it reads
+        pools.copy_slot(src, dst)
     if header["kind"] == "read_rows":
         return rows_to_wire(read_request_rows(pools, positions, header["slot"]))
-    for src, dst in header["copies"]:
-        pools.copy_slot(src, dst)
     write_request_rows(pools, positions, header["slot"], rows_from_wire(header["shares"][rank]))
     return {}
 
@@ -267,7 +270,9 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
         load = {"counts": (torch.stack(counts) if counts
                            else torch.zeros(0, forward.config.moe.num_experts, dtype=torch.int64)).numpy(),
                 "moved": moved, "pairs": sum(int(m.dispatcher.stats.expert_pairs.sum())
-                                             for m in forward.model.modules() if isinstance(m, ParallelMoE))}
+                                             for m in forward.model.modules() if isinstance(m, ParallelMoE)),
+                # memory.offload: this rank's host-tier counters since its pools were allocated (offload_tier.py)
+                "offload": pools.stats() if isinstance(pools, OffloadedPools) else None}
         if rank == answer_rank(comm.mesh.pconfig):
             conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds, load))
         else:

@@ -47,12 +47,10 @@ def plan_stages(config, service, pconfig: ParallelConfig) -> list[ServingStage]:
     """Every stage's layers and one rank's CachePlan, with the fewest blocks any stage can hold: the block
     tables are shared, so every stage must hold every block id the scheduler hands out. A stage without
     DSA layers stores nothing per block (plan_cache then gives it a nominal count): it does not limit."""
-    if service.memory.offload is not None:
-        raise ValueError("memory.offload: the host tier serves the in-process engine only (every parallel.* size "
-                         "1, no parallel.forward_process); plan-service still plans it for any layout")
     stages = partition_layers(config, pconfig.pp)
     plans = [plan_cache(stage_config(config, layers, pconfig.tp), service) for layers in stages]
-    limiting = [plan for plan in plans if plan.block_bytes > 0] or plans
+    # with memory.offload a stage's blocks cost device bytes (index keys) and host bytes (latent rows)
+    limiting = [plan for plan in plans if plan.block_bytes > 0 or plan.host_block_bytes > 0] or plans
     blocks = min(plan.num_blocks for plan in limiting)
     return [ServingStage(layers, dataclasses.replace(plan, num_blocks=blocks)) for layers, plan in zip(stages, plans)]
 

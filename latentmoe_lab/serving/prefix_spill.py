@@ -22,6 +22,9 @@ served. When the device has no room for the blocks to come back, the device's ow
 The disk directory is keyed (spill_key) by the SHA-256 of the model's weights and config, the cache formats
 and the block size: another checkpoint, another kv_cache_dtype or another block size reads another
 subdirectory (a miss), and a restarted engine of the same model finds its files again.
+
+The pools may be the engine's own or its worker processes' (prefix_spill_workers.py): an entry has one
+layout either way, so a disk spill written under one process layout serves another.
 """
 from __future__ import annotations
 
@@ -29,15 +32,12 @@ import hashlib
 import json
 import logging
 
-import torch
-
-from latentmoe_lab.offload_tier import OffloadedDSAPool
-from latentmoe_lab.paged_pools import DSAPool, PagedPools
+from latentmoe_lab.paged_pools import PagedPools
 from latentmoe_lab.serving.block_manager import BlockManager
 from latentmoe_lab.serving.prefix_spill_disk import DiskTier, SpillRefused, tensors_sha256
-from latentmoe_lab.serving.prefix_spill_host import Entry, HostTier, entry_bytes, host_copy
+from latentmoe_lab.serving.prefix_spill_host import Entry, HostTier, entry_bytes
+from latentmoe_lab.serving.prefix_spill_workers import KDA, ROWS, LocalPoolBlocks, WorkerPoolBlocks
 
-ROWS, KDA = "rows", "kda"
 DEVICE, HOST, DISK = "device", "host", "disk"
 COUNTS = ("prefix_hits_device", "prefix_hits_host", "prefix_hits_disk", "prefix_hits_refused",
           "spill_bytes_device_to_host", "spill_bytes_host_to_device", "spill_bytes_disk_to_device")
@@ -48,28 +48,30 @@ log = logging.getLogger(__name__)
 class SpillingBlockManager(BlockManager):
     """A BlockManager whose evicted prefix-cache entries move to a host tier and a disk tier.
 
-    pools: the engine's PagedPools (rows are read and written in place); host: the host tier, whose
-    overflow goes to `disk` (or is dropped when disk is None). counts: shared with emptied() copies.
+    pools: the engine's PagedPools (rows are read and written in place), or a store of the same rows
+    (prefix_spill_workers.py: LocalPoolBlocks, WorkerPoolBlocks for worker processes); host: the host tier,
+    whose overflow goes to `disk` (or is dropped when disk is None). counts: shared with emptied() copies.
     """
 
-    def __init__(self, pools: PagedPools, host: HostTier, disk: DiskTier | None, num_blocks: int,
-                 block_size: int, num_slots: int, num_snapshots: int, counts: dict[str, int] | None = None):
+    def __init__(self, pools: PagedPools | LocalPoolBlocks | WorkerPoolBlocks, host: HostTier, disk: DiskTier | None,
+                 num_blocks: int, block_size: int, num_slots: int, num_snapshots: int,
+                 counts: dict[str, int] | None = None):
         super().__init__(num_blocks, block_size, num_slots, num_snapshots, enable_prefix_caching=True)
-        self.pools, self.host, self.disk = pools, host, disk
+        self.store = LocalPoolBlocks(pools, block_size) if isinstance(pools, PagedPools) else pools
+        self.host, self.disk = host, disk
         self.counts = counts if counts is not None else dict.fromkeys(COUNTS, 0)
-        self.expected = {ROWS: _shapes(self._read(ROWS, 0, copy=False)),
-                         KDA: _shapes(self._read(KDA, 0, copy=False))}
+        self.expected = {ROWS: self.store.shapes(ROWS), KDA: self.store.shapes(KDA)}
 
     def emptied(self) -> SpillingBlockManager:
         """Empty device bookkeeping over the same pools; the host and disk tiers and the counts stay."""
-        return SpillingBlockManager(self.pools, self.host, self.disk, self.num_blocks, self.block_size,
+        return SpillingBlockManager(self.store, self.host, self.disk, self.num_blocks, self.block_size,
                                     self.num_slots, self.num_snapshots, self.counts)
 
     # ------------------------------------------------------------------ out
     def evicting(self, block_hash: bytes, block: int | None, snapshot_row: int | None) -> None:
         for kind, index in ((ROWS, block), (KDA, snapshot_row)):
-            if index is not None:
-                tensors = self._read(kind, index, copy=True)
+            tensors = None if index is None else self.store.read(kind, index)
+            if tensors is not None:  # None: the worker group was lost (prefix_spill_workers.py)
                 self.counts["spill_bytes_device_to_host"] += entry_bytes(tensors)
                 self.host.put(block_hash, kind, tensors)
 
@@ -82,8 +84,9 @@ class SpillingBlockManager(BlockManager):
             self.disk.put(block_hash, kind, tensors)
         for kind, named in ((ROWS, self.block_of_hash), (KDA, self.snapshot_of_hash)):
             for block_hash, index in list(named.items()):
-                if not self.disk.has(block_hash, kind):
-                    self.disk.put(block_hash, kind, self._read(kind, index, copy=True))
+                tensors = None if self.disk.has(block_hash, kind) else self.store.read(kind, index)
+                if tensors is not None:
+                    self.disk.put(block_hash, kind, tensors)
 
     # ------------------------------------------------------------------- in
     def match_prefix(self, block_hashes: list[bytes]) -> tuple[list[int], int | None]:
@@ -132,13 +135,13 @@ class SpillingBlockManager(BlockManager):
                     del self.evictable[block]
                 self.ref_count[block] += 1
         fresh = iter(self.allocate_blocks(len(rows)))
-        table = []
+        table, writes = [], []
         for i, (block_hash, tier) in enumerate(zip(hashes, tiers)):
             if tier == DEVICE:
                 table.append(self.block_of_hash[block_hash])
                 continue
             block = next(fresh)
-            self._write(ROWS, block, rows[i])
+            writes.append((ROWS, block, rows[i]))
             self.register_block(block_hash, block)
             self._brought_back(block_hash, ROWS, tier, rows[i])
             table.append(block)
@@ -147,9 +150,10 @@ class SpillingBlockManager(BlockManager):
             row = self.snapshot_of_hash[last]
             self.snapshot_of_hash.move_to_end(last)
         else:
-            row = self.snapshot_row_for(last)
-            self._write(KDA, row, snapshot)
+            row = self.snapshot_row_for(last)  # may evict (read) another snapshot row: before the write
+            writes.append((KDA, row, snapshot))
             self._brought_back(last, KDA, snapshot_at, snapshot)
+        self.store.write(writes)  # one message to worker processes for the whole hit
         return table, row
 
     def _brought_back(self, block_hash: bytes, kind: str, tier: str, tensors: Entry) -> None:
@@ -173,35 +177,9 @@ class SpillingBlockManager(BlockManager):
             return self.host.get(block_hash, kind)
         return self.disk.get(block_hash, kind, self.expected[kind])
 
-    def _views(self, kind: str, index: int) -> dict[str, torch.Tensor]:
-        """Views of the pools: block `index`'s storage in every DSA layer (ROWS) or pool row `index` of
-        every KDA layer (KDA)."""
-        views = {}
-        for i, pool in enumerate(self.pools.layers):
-            if kind == ROWS and isinstance(pool, DSAPool):
-                views[f"layer{i}.latent"] = pool.latent[index]
-                if pool.index.shape[0]:  # a layer reusing another's selection keeps no keys (dsa.index_share_every)
-                    views[f"layer{i}.index"] = pool.index[index]
-            elif kind == KDA and not isinstance(pool, DSAPool):
-                views |= {f"layer{i}.state": pool.state[index], f"layer{i}.conv": pool.conv[index]}
-        return views
-
-    def _read(self, kind: str, index: int, copy: bool) -> Entry:
-        views = self._views(kind, index)
-        return {name: host_copy(view) for name, view in views.items()} if copy else views
-
-    def _write(self, kind: str, index: int, tensors: Entry) -> None:
-        if kind == ROWS:  # with DSA rows offloaded (§15.1), hot copies of the block's old rows must go
-            positions = torch.arange(index * self.block_size, (index + 1) * self.block_size)
-            for pool in self.pools.layers:
-                if isinstance(pool, OffloadedDSAPool):
-                    pool.hot.invalidate(positions)
-        for name, view in self._views(kind, index).items():
-            view.copy_(tensors[name])
-
-
-def _shapes(tensors: Entry) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    def _views(self, kind: str, index: int) -> Entry:
+        """Views of the engine's own pools (LocalPoolBlocks.views), for tests that fill and inspect them."""
+        return self.store.views(kind, index)
 
 
 def spill_key(model, plan, cache_dtype: str) -> tuple[str, dict]:
@@ -216,22 +194,29 @@ def spill_key(model, plan, cache_dtype: str) -> tuple[str, dict]:
     return hashlib.sha256(json.dumps(describes, sort_keys=True).encode()).hexdigest(), describes
 
 
-def block_manager_for(model, service, plan, pools: PagedPools | None) -> BlockManager:
-    """The engine's block manager: a SpillingBlockManager when the prefix_cache: section asks for a spill."""
+def block_manager_for(model, service, plan, pools: PagedPools | None, stages=None) -> BlockManager:
+    """The engine's block manager: a SpillingBlockManager when the prefix_cache: section asks for a spill,
+    over `pools` (the engine's own), or with pools None over the worker processes of `stages` (the engine's
+    ServingStages; connect_workers then hands it their runner)."""
     section, memory = service.prefix_cache, service.memory
     if not section.enabled:
         return BlockManager(plan.num_blocks, memory.block_size, plan.num_slots, plan.num_snapshots,
                             memory.enable_prefix_caching)
-    if pools is None:
-        raise ValueError("prefix_cache: the spill reads the pools held by the engine's process; with worker "
-                         "processes (parallel sizes > 1 or parallel.forward_process) leave the section out")
+    store = LocalPoolBlocks(pools, plan.block_size) if pools is not None else WorkerPoolBlocks(model.config,
+                                                                                              stages, plan)
     disk = None
     if section.disk_dir is not None:
         key, describes = spill_key(model, plan, service.cache_dtype)
         disk = DiskTier(section.disk_dir, key, describes, section.disk_bytes)
     host = HostTier(section.host_bytes, None if disk is None else disk.put)
-    return SpillingBlockManager(pools, host, disk, plan.num_blocks, memory.block_size, plan.num_slots,
+    return SpillingBlockManager(store, host, disk, plan.num_blocks, memory.block_size, plan.num_slots,
                                 plan.num_snapshots)
+
+
+def connect_workers(block_manager: BlockManager, runner) -> None:
+    """Give a spill over worker processes the engine's ParallelRunner, once it has started them."""
+    if isinstance(block_manager, SpillingBlockManager) and isinstance(block_manager.store, WorkerPoolBlocks):
+        block_manager.store.runner = runner
 
 
 def flush_spill(block_manager: BlockManager) -> None:

@@ -7,9 +7,9 @@
       disk_bytes   int  the most bytes of files kept there (default: no bound); needs disk_dir
 
 Absent or empty: no spill, an evicted block is simply forgotten. The spill needs prefix caching with at
-least one snapshot slot (a hit is made of blocks AND the KDA snapshot at its end) and the forward in the
-engine's process (the rows are read out of the pools the engine holds): no parallel.forward_process and
-parallel sizes 1. The engine checks its pools again when it starts (serving/prefix_spill.py).
+least one snapshot slot (a hit is made of blocks AND the KDA snapshot at its end). It works with the forward
+in the engine's process and on worker processes alike (parallel.forward_process, tp / ep / pp sizes > 1:
+the rows are copied out of and into the workers' pools, serving/prefix_spill_workers.py).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class PrefixCacheSection:
         return self.host_bytes > 0 or self.disk_dir is not None
 
 
-def check_prefix_cache(section: PrefixCacheSection, memory, parallel) -> None:
-    """The prefix_cache: section against the memory: and parallel: sections (types were checked by the loader)."""
+def check_prefix_cache(section: PrefixCacheSection, memory) -> None:
+    """The prefix_cache: section against the memory: section (types were checked by the loader)."""
     _check(section.host_bytes >= 0, "prefix_cache.host_bytes",
            f"must be an integer >= 0 (0: no host tier), got {describe(section.host_bytes)}")
     _check(section.disk_dir != "", "prefix_cache.disk_dir", "must not be empty (leave it out for no disk tier)")
@@ -44,10 +44,6 @@ def check_prefix_cache(section: PrefixCacheSection, memory, parallel) -> None:
                "spills the prefix cache: set memory.enable_prefix_caching true")
         _check(memory.snapshot_slots >= 1, key,
                "needs memory.prefix_snapshot_slots >= 1 (a hit restores blocks with the KDA snapshot at their end)")
-        sizes = (parallel.tensor_parallel_size, parallel.expert_parallel_size, parallel.pipeline_parallel_size)
-        _check(not parallel.forward_process and sizes == (1, 1, 1), key,
-               "needs the forward in the engine's process (the spill reads its pools): no parallel.forward_process "
-               "and parallel sizes 1")
 
 
 def _check(ok: bool, path: str, rule: str) -> None:

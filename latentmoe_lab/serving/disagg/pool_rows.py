@@ -69,15 +69,16 @@ def _dsa_pools(pools: PagedPools) -> tuple[list[DSAPool], list[DSAPool]]:
     return dsa, [pool for pool in dsa if pool.index.numel() > 0]
 
 
-def read_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int) -> dict[str, torch.Tensor]:
-    """A request's rows: its tokens at flat positions [N] in every DSA layer, its slot in every KDA layer.
+def read_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int | None) -> dict[str, torch.Tensor]:
+    """A request's rows: its tokens at flat positions [N] in every DSA layer, its slot in every KDA layer
+    (slot None: no KDA rows, [0, ...]; the prefix-cache spill reads a block alone, serving/prefix_spill_workers.py).
 
     -> {"dsa_latent": uint8 [L_dsa, N, E_latent], "dsa_index": uint8 [L_indexer, N, E_index] (the layers that
         keep index keys), "kda_state": fp32 [L_kda, H, d_k, d_v], "kda_conv": [L_kda, channels, kernel - 1]}
     (copies). With memory.offload the latent rows are read from the host tier, which holds every row.
     """
     dsa, indexed = _dsa_pools(pools)
-    kda = [pool for pool in pools.layers if isinstance(pool, KDAPool)]
+    kda = [pool for pool in pools.layers if isinstance(pool, KDAPool) and slot is not None]
     config, tokens = pools.config, len(positions)
     kda_dims = (config.kda.num_heads, config.kda.head_dim_k, config.kda.head_dim_v)
     channels = config.kda.num_heads * (2 * config.kda.head_dim_k + config.kda.head_dim_v)

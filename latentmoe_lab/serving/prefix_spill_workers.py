@@ -1,0 +1,171 @@
+"""Where the prefix-cache spill finds its blocks and snapshot rows: in the engine's pools, or in its workers'
+(docs/design.md §15.3).
+
+SpillingBlockManager (prefix_spill.py) reads an entry when the device cache evicts it and writes entries back
+on a hit, always in one layout, whatever the process layout:
+
+    rows   {"layer{i}.latent": block i's latent storage, "layer{i}.index": its index storage}  every DSA
+           layer i of the whole model (index: layers that keep keys), each as the pool's format stores ONE
+           block (fp8 codes stay codes)
+    kda    {"layer{i}.state": fp32 [H, d_k, d_v], "layer{i}.conv": [channels, kernel - 1]}  every KDA layer,
+           whole heads
+
+`LocalPoolBlocks` reads and writes views of the engine's own PagedPools. `WorkerPoolBlocks` does the same
+through the worker processes (parallel.forward_process, tp / ep / pp sizes > 1) with the messages the
+disaggregation connector uses (ParallelRunner.read_rows / write_rows, gathered over tensor-parallel heads and
+pipeline stages by disagg/tp_rows.py): they carry each token's stored bytes, which `BlockBytes` lays out
+as the block's storage and back, byte for byte. So an entry spilled by a forward-process engine is the file
+an in-process engine writes, and a disk spill serves either.
+
+A worker group lost during a read or a write (WorkerGroupError) drops that entry with a warning: the group
+is dead, the engine's next step restarts it, and a restart empties the device cache anyway (engine.py).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from latentmoe_lab.config import DSA
+from latentmoe_lab.offload_tier import OffloadedDSAPool
+from latentmoe_lab.paged_pools import DSAPool, PagedPools
+from latentmoe_lab.serving.disagg.pool_rows import token_byte_offsets
+from latentmoe_lab.serving.disagg.tp_rows import read_rows_from_workers, write_rows_to_workers
+from latentmoe_lab.serving.parallel_runner import WorkerGroupError
+from latentmoe_lab.serving.prefix_spill_host import Entry, host_copy
+
+ROWS, KDA = "rows", "kda"
+log = logging.getLogger(__name__)
+
+
+class LocalPoolBlocks:
+    """The engine's own PagedPools (or OffloadedPools: latent rows in the host tier)."""
+
+    def __init__(self, pools: PagedPools, block_size: int):
+        self.pools, self.block_size = pools, block_size
+
+    def views(self, kind: str, index: int) -> Entry:
+        """Views of the pools: block `index` in every DSA layer (ROWS) or row `index` of every KDA layer (KDA)."""
+        views = {}
+        for i, pool in enumerate(self.pools.layers):
+            if kind == ROWS and isinstance(pool, DSAPool):
+                views[f"layer{i}.latent"] = pool.latent[index]
+                if pool.index.shape[0]:  # a layer reusing another's selection keeps no keys (dsa.index_share_every)
+                    views[f"layer{i}.index"] = pool.index[index]
+            elif kind == KDA and not isinstance(pool, DSAPool):
+                views |= {f"layer{i}.state": pool.state[index], f"layer{i}.conv": pool.conv[index]}
+        return views
+
+    def shapes(self, kind: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self.views(kind, 0).items()}
+
+    def read(self, kind: str, index: int) -> Entry:
+        return {name: host_copy(view) for name, view in self.views(kind, index).items()}
+
+    def write(self, items: list[tuple[str, int, Entry]]) -> None:
+        for kind, index, tensors in items:
+            if kind == ROWS:  # with DSA rows offloaded (§15.1), hot copies of the block's old rows must go
+                positions = block_positions(index, self.block_size)
+                for pool in self.pools.layers:
+                    if isinstance(pool, OffloadedDSAPool):
+                        pool.hot.invalidate(positions)
+            for name, view in self.views(kind, index).items():
+                view.copy_(tensors[name])
+
+
+class BlockBytes:
+    """One block of a storage format <-> its tokens' stored bytes uint8 [block_size, bytes/token] (the rows
+    a read_rows message carries, disagg/pool_rows.py), a permutation of the block's bytes."""
+
+    def __init__(self, fmt, dim: int, block_size: int):
+        probe = fmt.allocate(1, block_size, dim, "cpu")
+        self.dtype, self.shape = probe.dtype, tuple(probe.shape[1:])
+        self.offsets = token_byte_offsets(fmt, probe, dim, torch.arange(block_size))
+        self.nbytes = probe.numel() * probe.element_size()
+        if self.offsets.numel() != self.nbytes or self.offsets.unique().numel() != self.nbytes:
+            raise TypeError(f"format: {type(fmt).__name__} stores bytes outside its tokens' rows; a spilled block "
+                            "could not be rebuilt from them")
+
+    def to_block(self, tokens: torch.Tensor) -> torch.Tensor:
+        flat = torch.empty(self.nbytes, dtype=torch.uint8)
+        flat[self.offsets] = tokens
+        return flat.view(self.dtype).view(self.shape)
+
+    def to_tokens(self, block: torch.Tensor) -> torch.Tensor:
+        return block.contiguous().view(-1).view(torch.uint8)[self.offsets]
+
+
+class WorkerPoolBlocks:
+    """The pools of an engine's worker processes, through `runner` (a ParallelRunner, set by connect once it
+    has started). config: the whole model's; stages: the engine's ServingStages; plan: a rank's CachePlan."""
+
+    def __init__(self, config, stages, plan):
+        self.model_config, self.stages, self.block_size = config, stages, plan.block_size
+        self.runner = None
+        self.dsa = [i for i, kind in enumerate(config.layer_types) if kind == DSA]
+        self.indexed = [i for i in self.dsa if config.index_source(i) == i]
+        self.kda = [i for i, kind in enumerate(config.layer_types) if kind != DSA]
+        self.latent = BlockBytes(plan.latent_format, config.mla.kv_lora_rank + config.mla.qk_rope_head_dim,
+                                 plan.block_size)
+        self.index = BlockBytes(plan.index_format, config.indexer.head_dim, plan.block_size)
+        kda = config.kda
+        self.kda_shapes = {"state": (torch.float32, (kda.num_heads, kda.head_dim_k, kda.head_dim_v)),
+                           "conv": (plan.dtype, (kda.num_heads * (2 * kda.head_dim_k + kda.head_dim_v),
+                                                 kda.conv_kernel - 1))}
+
+    def shapes(self, kind: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        if kind == KDA:
+            return {f"layer{i}.{part}": shape for i in self.kda for part, shape in self.kda_shapes.items()}
+        shapes = {}
+        for i in self.dsa:
+            shapes[f"layer{i}.latent"] = (self.latent.dtype, self.latent.shape)
+            if i in self.indexed:
+                shapes[f"layer{i}.index"] = (self.index.dtype, self.index.shape)
+        return shapes
+
+    def read(self, kind: str, index: int) -> Entry | None:
+        """Block `index` (ROWS) or KDA row `index` (KDA) from the workers; None if the group was lost."""
+        positions = block_positions(index, self.block_size) if kind == ROWS else torch.zeros(0, dtype=torch.long)
+        try:
+            rows = read_rows_from_workers(self, positions, index if kind == KDA else None)
+        except WorkerGroupError as error:
+            log.warning("prefix cache spill: the worker group was lost reading a %s entry; it is dropped: %s",
+                        kind, error)
+            return None
+        if kind == KDA:
+            return {f"layer{i}.{part}": rows[f"kda_{part}"][j] for j, i in enumerate(self.kda)
+                    for part in ("state", "conv")}
+        entry = {f"layer{i}.latent": self.latent.to_block(rows["dsa_latent"][j]) for j, i in enumerate(self.dsa)}
+        return entry | {f"layer{i}.index": self.index.to_block(rows["dsa_index"][j])
+                        for j, i in enumerate(self.indexed)}
+
+    def write(self, items: list[tuple[str, int, Entry]]) -> None:
+        """Every block and the snapshot row (at most one) of a hit, in one write_rows message."""
+        blocks = [(index, tensors) for kind, index, tensors in items if kind == ROWS]
+        snapshots = [(index, tensors) for kind, index, tensors in items if kind == KDA]
+        positions = torch.cat([block_positions(index, self.block_size) for index, _ in blocks] or
+                              [torch.zeros(0, dtype=torch.long)])
+        rows = {"dsa_latent": self._tokens(blocks, self.dsa, "latent", self.latent),
+                "dsa_index": self._tokens(blocks, self.indexed, "index", self.index)}
+        for part, (dtype, shape) in self.kda_shapes.items():
+            rows[f"kda_{part}"] = (torch.stack([snapshots[0][1][f"layer{i}.{part}"] for i in self.kda])
+                                   if snapshots and self.kda else torch.zeros((0, *shape), dtype=dtype))
+        try:
+            write_rows_to_workers(self, positions, snapshots[0][0] if snapshots else None, rows)
+        except WorkerGroupError as error:
+            log.warning("prefix cache spill: the worker group was lost restoring a hit; the next step restarts "
+                        "it with an empty device cache: %s", error)
+
+    def _tokens(self, blocks, layers: list[int], part: str, layout: BlockBytes) -> torch.Tensor:
+        """uint8 [len(layers), tokens of the blocks, bytes/token]: each layer's rows of the blocks' entries."""
+        size = self.block_size
+        tokens = torch.empty(len(layers), len(blocks) * size, layout.offsets.shape[1], dtype=torch.uint8)
+        for j, i in enumerate(layers):
+            for b, (_, tensors) in enumerate(blocks):
+                tokens[j, b * size:(b + 1) * size] = layout.to_tokens(tensors[f"layer{i}.{part}"])
+        return tokens
+
+
+def block_positions(block: int, block_size: int) -> torch.Tensor:
+    """Flat pool positions [block_size] of one block."""
+    return torch.arange(block * block_size, (block + 1) * block_size)
