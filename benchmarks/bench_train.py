@@ -5,9 +5,9 @@ spike on a shared machine hits both, medians over --steps:
 
     matmul rate    fp32 [1024, 1024] @ [1024, 1024], GFLOP/s (the utilization's denominator)
     mini step      `latentmoe-lab train`'s step: forward with labels, CE + aux losses, backward, the guard's
-                   two finiteness checks, gradient clipping, AdamW, the routing-bias update
+                   two finiteness checks, gradient clipping, fused AdamW, the routing-bias update
     dense step     a causal transformer built from torch's own nn.TransformerEncoderLayer (pre-norm, GELU),
-                   of similar non-embedding size, same batch, AdamW
+                   of similar non-embedding size, same batch, fused AdamW
     model FLOPs    per token: 6 x active parameters + attention (docs/design.md §9, `model_flops_per_token`)
     utilization    model FLOP/s / matmul rate
 
@@ -44,7 +44,7 @@ def mini_trainer(config: ModelConfig, lr: float, warmup: int, total_steps: int):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.95))
+                                  lr=lr, betas=(0.9, 0.95), fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps, 0.1))
     moe_layers = [block.ffn for block in model.layers if isinstance(block.ffn, LatentMoE)]
 
@@ -68,7 +68,7 @@ def mini_trainer(config: ModelConfig, lr: float, warmup: int, total_steps: int):
 def dense_trainer(config: ModelConfig, seq_len: int, lr: float, warmup: int, total_steps: int):
     torch.manual_seed(0)
     model = dense_like(config, seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps, 0.1))
 
     def step(ids: torch.Tensor) -> float:
