@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_disagg.py            # 8 prompts of 8k tokens among 32 chat requests
     .venv/bin/python benchmarks/bench_disagg.py --quick    # 2 prompts of 1k among 8: checks the harness
+    .venv/bin/python benchmarks/bench_disagg.py --long-tokens 2048 --modes 1P1D,colocated_1thread --repeats 3
+                                                           # a shorter shape, two modes interleaved, medians
 
 The workload: 32 short chat requests (64-token prompts, 64 new tokens) arriving every --gap seconds, and 8
 long prompts (8192 tokens, 64 new tokens) arriving among them (every fifth arrival), greedy, tiny preset with
