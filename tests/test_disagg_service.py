@@ -62,7 +62,7 @@ def _complete_all(url: str, stream_index: int | None = None) -> dict:
     return results
 
 
-def _drained(url: str, worker) -> dict:
+def _drained(url: str) -> dict:
     """/health once every instance reported its last release (blocks and slots summed over the instances)."""
     for _ in range(100):
         health = httpx.get(url + "/health", timeout=10).json()
@@ -84,7 +84,7 @@ def _metric(url: str, name: str, **labels) -> float:
 def test_one_endpoint_over_1p1d_equals_colocated_and_generate(reference):
     with start_service(SERVICE) as (served, worker):
         results = _complete_all(served.url, stream_index=2)
-        health = _drained(served.url, worker)
+        health = _drained(served.url)
         assert results == reference
         assert health["status"] == "ok" and health["blocks_used"] == 0 and health["slots_used"] == 0
         assert health["held"] == 0 and health["in_flight"] == 0
@@ -101,6 +101,33 @@ def test_one_endpoint_over_1p1d_equals_colocated_and_generate(reference):
             assert _metric(served.url, "latentmoe_instance_queue_depth", role=role, instance=f"{role}0") == 0
         decode = next(i for i in router.all_instances() if i.spec.role == "decode")
         assert decode.stats["decode_tokens"] > 0 and decode.stats["prefill_tokens"] == 0  # decode never prefilled
+        _aborts_free_everything(served.url, worker)
+
+
+def _aborts_free_everything(url: str, worker) -> None:
+    """Requests aborted before their prefill, between prefill and decode, and while decoding end with
+    "abort", and both instances give every block, slot and held transfer back."""
+    ends, first = {}, {}
+
+    def deliver(index):
+        def on_event(event):
+            if event.token_ids:
+                first.setdefault(index, threading.Event()).set()
+            if event.finished:
+                ends[index] = event.finish_reason
+        return on_event
+
+    params = SamplingParams(max_tokens=200)
+    keys = [worker.submit(list(b"abort me %d " % i) * 8, params, deliver(i)).result(timeout=30) for i in range(3)]
+    worker.abort(keys[0])  # most likely still waiting on the prefill instance
+    for index in (1, 2):
+        assert first.setdefault(index, threading.Event()).wait(60)
+    worker.abort(keys[1])
+    threading.Event().wait(0.5)  # a few decode steps
+    worker.abort(keys[2])
+    health = _drained(url)
+    assert ends == {0: "abort", 1: "abort", 2: "abort"}
+    assert health["blocks_used"] == health["slots_used"] == health["held"] == health["in_flight"] == 0
 
 
 @pytest.mark.slow
@@ -111,7 +138,7 @@ def test_a_tp2_prefill_instance_hands_over_to_a_tp1_decode_instance(reference):
                                          "prefill": {"parallel": {"tensor_parallel_size": 2}}}}
     with start_service(tp2) as (served, worker):
         assert _complete_all(served.url) == reference
-        assert _drained(served.url, worker)["blocks_used"] == 0
+        assert _drained(served.url)["blocks_used"] == 0
         assert worker.router.counts["transfers"] == len(PROMPTS)
 
 
@@ -125,7 +152,7 @@ def faulted(reference):
     dies half way through its third send; the decode instance dies before its 6th step, requests running."""
     with start_service(SERVICE, faults=FAULTS) as (served, worker):
         results = _complete_all(served.url)
-        health = _drained(served.url, worker)
+        health = _drained(served.url)
         yield results, health, worker.router, served.url
 
 
