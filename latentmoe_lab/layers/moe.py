@@ -34,7 +34,7 @@ from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.ops import batch_invariant
 from latentmoe_lab.ops.balancing import bias_update, router_z_loss, sequence_aux_loss
-from latentmoe_lab.ops import grouped_experts
+from latentmoe_lab.ops.grouped_experts import fits as grouped_experts_fit, grouped_swiglu_experts
 from latentmoe_lab.ops.routing import (combine, grouped_matmul, grouped_matmul_reference, permute, plan_dispatch,
                                        route_topk, route_topk_reference, row_tiles, swiglu)
 
@@ -92,8 +92,8 @@ class LatentExperts(nn.Module):
         """
         if counts.dim() != 1 or counts.shape[0] != self.w13.shape[0]:
             raise ValueError(f"counts: expected shape ({self.w13.shape[0]},) [E], got {tuple(counts.shape)}")
-        if grouped_experts.fits(z_perm, self.w13, self.w2) and not batch_invariant.active():
-            return grouped_experts.grouped_swiglu_experts(z_perm, counts, self.w13, self.w2, self.activation_clamp)
+        if grouped_experts_fit(z_perm, self.w13, self.w2) and not batch_invariant.active():
+            return grouped_swiglu_experts(z_perm, counts, self.w13, self.w2, self.activation_clamp)
         return self.forward_tiles(z_perm, counts)
 
     def forward_tiles(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ FULL_OP_TABLE = frozenset({
     "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm", "aten.convolution",
     "aten.linalg_solve_triangular",
     # elementwise and activations
-    "aten.abs", "aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.div", "aten.floor_divide", "aten.remainder",
+    "aten.abs", "aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.mul_", "aten.div", "aten.floor_divide",
+    "aten.remainder",
     "aten.exp", "aten.pow", "aten.reciprocal", "aten.rsqrt", "aten.relu", "aten.sigmoid", "aten.silu",
     "aten.clamp", "aten.clamp_min", "aten.where", "aten.masked_fill", "aten.masked_fill_", "aten.isnan",
     "aten.eq", "aten.ne", "aten.ge", "aten.gt", "aten.le", "aten.lt",

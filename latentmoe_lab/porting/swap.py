@@ -30,6 +30,7 @@ _ORIGINAL = {
     (moe_layer, "route_topk"): moe_layer.route_topk,
     (moe_layer, "plan_dispatch"): moe_layer.plan_dispatch,
     (moe_layer, "grouped_matmul"): moe_layer.grouped_matmul,
+    (moe_layer, "grouped_experts_fit"): moe_layer.grouped_experts_fit,
     (indexer_layer, "index_topk"): indexer_layer.index_topk,
     (dsa_layer, "sparse_attention"): dsa_layer.sparse_attention,
 }
@@ -74,6 +75,12 @@ def _grouped_matmul(x, w, offsets, impl="auto", backend="auto"):
     return OPS["grouped_matmul"](x, w, offsets)
 
 
+def _grouped_experts_fit(z, w13, w2):
+    """Never: the CPU's fused torch._grouped_mm experts are a host-specific kernel choice, so a ported model
+    runs its experts as two latentmoe.grouped_matmul calls around the SwiGLU (LatentExperts.forward_tiles)."""
+    return False
+
+
 def _index_topk(q_idx, k_idx, w, k, offset=0, first_key=None, backend="auto"):
     if first_key is not None:  # packed sequences: the reference handles the per-query first key
         return _ORIGINAL[(indexer_layer, "index_topk")](q_idx, k_idx, w, k, offset, first_key, backend)
@@ -90,6 +97,7 @@ _WRAPPERS = {
     (moe_layer, "route_topk"): _route_topk,
     (moe_layer, "plan_dispatch"): _plan_dispatch,
     (moe_layer, "grouped_matmul"): _grouped_matmul,
+    (moe_layer, "grouped_experts_fit"): _grouped_experts_fit,
     (indexer_layer, "index_topk"): _index_topk,
     (dsa_layer, "sparse_attention"): _sparse_attention,
 }
