@@ -188,7 +188,8 @@ def main() -> None:
     split = results["1P1D"]
     ratios = {baseline: {"tpot_short_p99": results[baseline]["p99_tpot_short_s"] / split["p99_tpot_short_s"],
                          "ttft_p99": results[baseline]["p99_ttft_s"] / split["p99_ttft_s"],
-                         "throughput_1p1d_over_baseline": split["throughput_tok_s"] / results[baseline]["throughput_tok_s"]}
+                         "throughput_1p1d_over_baseline":
+                             split["throughput_tok_s"] / results[baseline]["throughput_tok_s"]}
               for baseline in modes if baseline != "1P1D"}
     result = machine_info(shape=shape, repeats=args.repeats, modes=results, ratios=ratios,
                           outputs_equal=all(ids == outputs["1P1D"] for ids in outputs.values()))

@@ -195,6 +195,7 @@ def _write(tmp_path, disaggregation: dict) -> str:
 @pytest.mark.parametrize("overrides, message", [
     ({"decode": {"memory": {"cache_bytes": 60_000}}}, "disaggregation.decode.memory.cache_bytes:"),
     ({"decode": {"memory": {"kv_cache_dtype": "bf16"}}}, "disaggregation.decode.memory.kv_cache_dtype:"),
+    ({"prefill": {"memory": {"kv_cache_dtype": "fp8"}}}, "disaggregation.prefill.memory.kv_cache_dtype:"),
     ({"prefill": {"model": {"seed": 1}}}, "disaggregation.prefill.model.seed:"),
     ({"decode": {"model": {"preset": "small"}}}, "disaggregation.decode.model.preset:"),
     ({"decode": {"parallel": {"role": "prefill"}}}, "disaggregation.decode.parallel.role:"),
@@ -205,6 +206,12 @@ def _write(tmp_path, disaggregation: dict) -> str:
 def test_a_role_config_that_cannot_work_is_refused_naming_the_key(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         load_service_file(_write(tmp_path, overrides))
+
+
+def test_roles_whose_cache_formats_resolve_alike_are_accepted(tmp_path):
+    """kv_cache_dtype auto on fp32 weights stores fp32: a decode override spelling it out is the same format."""
+    config, _ = load_service_file(_write(tmp_path, {"decode": {"memory": {"kv_cache_dtype": "fp32"}}}))
+    assert config.disaggregation.decode == {"memory": {"kv_cache_dtype": "fp32"}}
 
 
 def test_a_role_without_the_disaggregation_section_is_refused(tmp_path):

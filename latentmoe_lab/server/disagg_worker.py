@@ -30,7 +30,8 @@ class DisaggMetrics:
     def __init__(self, metrics: ServerMetrics):
         r, p = metrics.registry, PREFIX
         self.ttft = Histogram(f"{p}_role_time_to_first_token_seconds", "request accepted -> first token, by the "
-                              "prefill instance that made it", ["role", "instance"], buckets=LATENCY_BUCKETS, registry=r)
+                              "prefill instance that made it", ["role", "instance"], buckets=LATENCY_BUCKETS,
+                              registry=r)
         self.tpot = Histogram(f"{p}_role_time_per_output_token_seconds", "mean interval of the tokens a decode "
                               "instance made for a request", ["role", "instance"], buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_bytes = Counter(f"{p}_transfer_bytes", "bytes of acknowledged cache transfers", registry=r)

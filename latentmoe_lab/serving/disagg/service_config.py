@@ -11,7 +11,8 @@ config with `parallel.role` set to its role and that role's overrides applied:
 
 What the two roles must share, because the decode side continues the cache the prefill side wrote, is
 checked here and refused naming the key the override changed: the weights (model.preset, checkpoint, seed,
-dtype), the cache's storage format (the resolved memory.kv_cache_dtype) and model.max_model_len. Each role's
+dtype), the cache's storage format (memory.kv_cache_dtype resolved: auto and fp32 agree for fp32 weights) and
+model.max_model_len. Each role's
 own plan (a decode cache that cannot hold one max_model_len request) is checked by check_role_plans, when the
 file is loaded as `serve` loads it. Instances compare their loaded weights' fingerprints at start-up too
 (router.py): a checkpoint directory may hold other weights than its name says.
@@ -26,7 +27,7 @@ from latentmoe_lab.serving.config import ServiceConfig
 INSTANCE_ROLES = ("prefill", "decode")
 ROLE_SECTIONS = ("model", "parallel", "memory", "scheduler")
 SHARED_KEYS = (("model", "preset"), ("model", "checkpoint"), ("model", "checkpoint_if_present"), ("model", "seed"),
-               ("model", "dtype"), ("model", "max_model_len"), ("memory", "kv_cache_dtype"))
+               ("model", "dtype"), ("model", "max_model_len"))
 
 
 def role_config(config: ServiceConfig, role: str) -> ServiceConfig:
@@ -55,14 +56,17 @@ def check_role_configs(config: ServiceConfig) -> None:
         if theirs != ours:
             blamed = "decode" if key in (_overrides(config, "decode").get(section) or {}) else "prefill"
             other = "prefill" if blamed == "decode" else "decode"
-            raise ValueError(f"disaggregation.{blamed}.{section}.{key}: {describe(configs[blamed].to_dict()[section][key])}"
-                             f" differs from the {other} instances' {describe(configs[other].to_dict()[section][key])}"
+            value, others = (getattr(getattr(configs[role], section), key) for role in (blamed, other))
+            raise ValueError(f"disaggregation.{blamed}.{section}.{key}: {describe(value)} differs from the {other} "
+                             f"instances' {describe(others)}"
                              f": the decode side continues the prefill side's cache, which needs the same weights, "
                              f"cache format and model.max_model_len on both")
-    if prefill.cache_dtype != decode.cache_dtype:  # 'auto' resolved against model.dtype
-        raise ValueError(f"disaggregation.decode.memory.kv_cache_dtype: the decode instances store "
-                         f"{decode.cache_dtype!r}, the prefill instances {prefill.cache_dtype!r}: a transfer moves "
-                         f"rows in their storage format, so both must use one")
+    if prefill.cache_dtype != decode.cache_dtype:  # 'auto' resolved against model.dtype: auto and fp32 may agree
+        blamed = "decode" if "kv_cache_dtype" in (_overrides(config, "decode").get("memory") or {}) else "prefill"
+        other = "prefill" if blamed == "decode" else "decode"
+        raise ValueError(f"disaggregation.{blamed}.memory.kv_cache_dtype: the {blamed} instances store "
+                         f"{configs[blamed].cache_dtype!r}, the {other} instances {configs[other].cache_dtype!r}: a "
+                         f"transfer moves rows in their storage format, so both must use one")
 
 
 def check_role_plans(config: ServiceConfig) -> None:
