@@ -1,8 +1,9 @@
 """dsa.index_share_every > 1 under tensor, expert and pipeline parallelism (docs/design.md §15.2).
 
 A sharded reusing DSA layer has no indexer to load and replays its rank's sharded source's selections; the
-pipeline split never separates a group of index-sharing layers; multi-process runs (gloo, 127.0.0.1) and the
-TP2 serving engine give the one-process model's logits and greedy tokens.
+pipeline split never separates a group of index-sharing layers; multi-process runs (gloo, 127.0.0.1: parallelize's
+TP2, EP2, PP2, CP2 and the native DTensor TP2) and the TP2 serving engine give the one-process model's logits and
+greedy tokens.
 """
 import pytest
 import torch
@@ -20,7 +21,7 @@ from latentmoe_lab.parallel.tensor import shard_dsa
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 
 SOURCE, REUSER = 3, 7  # the 8-layer tiny model's DSA layers: 7 reuses 3's selections
-LAYOUTS = [ParallelConfig(tp=2), ParallelConfig(ep=2), ParallelConfig(pp=2)]
+LAYOUTS = [ParallelConfig(tp=2), ParallelConfig(ep=2), ParallelConfig(pp=2), ParallelConfig(cp=2)]
 
 
 def _config(share: int = 2, num_layers: int = 8) -> ModelConfig:
@@ -67,10 +68,15 @@ def test_pipeline_stages_keep_each_index_sharing_group_on_one_stage():
         partition_layers(_config(), 7)
 
 
-def _layouts_worker(layouts: list[ParallelConfig]) -> list[dict]:
-    """Per rank: each layout's gathered prefill logits and greedy tokens against the one-process model."""
+def _layouts_worker(layouts: list[ParallelConfig], checkpoint: str) -> tuple[list[dict], float]:
+    """Per rank: each layout's gathered prefill logits and greedy tokens against the one-process model, and the
+    native (DTensor) TP2 model's logits loaded from `checkpoint` (the same weights): its largest error."""
+    from latentmoe_lab.native.build import build_native
+    from latentmoe_lab.native.forward import native_logits
+    from latentmoe_lab.native.layout import NativeLayout, build_mesh
+
     _, device = init_distributed(30)
-    model, prompt = _model(), _prompt()
+    model, prompt = _model(torch.float32), _prompt()  # fp32: context parallelism's sends are fp32 buffers
     with torch.no_grad():
         reference = model(prompt).logits
     reference_tokens = model.generate(prompt, max_new_tokens=3)
@@ -86,29 +92,37 @@ def _layouts_worker(layouts: list[ParallelConfig]) -> list[dict]:
         results.append({"error": None if logits is None else float((logits - reference).abs().max()),
                         "tokens_equal": torch.equal(sharded.generate(prompt, 3), reference_tokens),
                         "linked": linked, "layers": list(sharded.layer_ids)})
-    return results
+    layout = NativeLayout(tp=2)
+    native = build_native(model.config, layout, build_mesh(layout), checkpoint=checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        return results, float((native_logits(native, prompt) - reference).abs().max())
 
 
-def test_tp2_ep2_and_pp2_with_shared_indexers_equal_one_process():
-    per_rank = launch(_layouts_worker, 2, (LAYOUTS,), timeout_s=180)
+def test_tp2_ep2_pp2_cp2_and_native_tp2_with_shared_indexers_equal_one_process(tmp_path):
+    _model(torch.float32).save_pretrained(tmp_path)
+    per_rank = launch(_layouts_worker, 2, (LAYOUTS, str(tmp_path)), timeout_s=180)
+    assert max(native_error for _, native_error in per_rank) <= 1e-5
     for position, pconfig in enumerate(LAYOUTS):
-        ranks = [results[position] for results in per_rank]
+        ranks = [results[position] for results, _ in per_rank]
         assert all(r["linked"] and r["tokens_equal"] for r in ranks), (pconfig, ranks)
         errors = [r["error"] for r in ranks if r["error"] is not None]
-        assert errors and max(errors) <= 1e-6, (pconfig, errors)  # logits come back fp32
+        assert errors and max(errors) <= 1e-5, (pconfig, errors)
         if pconfig.pp > 1:  # the stage boundary falls outside the group of layers 3..7
             assert any({SOURCE, REUSER} <= set(r["layers"]) for r in ranks)
 
 
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 @torch.no_grad()
-def test_tp2_serving_engine_with_shared_indexers_gives_generate_tokens():
+def test_tp2_and_pp2_serving_engines_with_shared_indexers_give_generate_tokens(parallel):
     model = _model(torch.float32)
     prompts = [row.tolist() for row in _prompt(1, 120)] + [[7, 300, 11, 42, 5, 9, 260, 3, 1]]
     service = ServiceConfig.from_dict({"model": {"max_model_len": 256}, "scheduler": {"prefill_chunk_size": 48},
                                        "memory": {"max_num_seqs": 2, "block_size": 16, "cache_bytes": 2_000_000},
-                                       "parallel": {"tensor_parallel_size": 2}})
+                                       "parallel": parallel})
     engine = Engine(model, service)
     try:
+        assert len(engine.runner.pids) == 2
+        assert any({SOURCE, REUSER} <= set(stage.layers) for stage in engine.stages)
         tokens = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5), use_tqdm=False)]
     finally:
         engine.close()

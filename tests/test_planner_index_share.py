@@ -19,7 +19,7 @@ BLOCKS, BLOCK_SIZE = 6, 16
 
 
 def _config(share: int) -> ModelConfig:
-    # DSA at layers 3 and 7: with share 2, layer 7 replays layer 3's selection (a group across the two stages)
+    # DSA at layers 3 and 7: with share 2, layer 7 replays layer 3's selection (pp=2 keeps them on one stage)
     return ModelConfig.from_preset("tiny").replace(num_layers=8, dsa={"index_share_every": share})
 
 
@@ -55,11 +55,11 @@ def test_each_reusing_layer_drops_exactly_one_whole_indexer(shared, tp):
     config, reusers = shared
     indexer = sum(p.numel() for p in build_meta_model(config).layers[config.index_source(reusers[0])]
                   .attn.indexer.parameters())
-    stages, own = stage_parameters(config.replace(dsa={"index_share_every": 1}), ParallelConfig(tp=tp, pp=2))
+    _, own = stage_parameters(config.replace(dsa={"index_share_every": 1}), ParallelConfig(tp=tp, pp=2))
     _, sharing = stage_parameters(config, ParallelConfig(tp=tp, pp=2))
-    for stage, before, after in zip(stages, own, sharing):
-        assert before["experts"] == after["experts"]
-        assert before["other"] - after["other"] == indexer * sum(i in stage for i in reusers)
+    # the stages may differ (partition_layers never splits a group of index-sharing layers): compare the sums
+    assert sum(s["experts"] for s in own) == sum(s["experts"] for s in sharing)
+    assert sum(s["other"] for s in own) - sum(s["other"] for s in sharing) == indexer * len(reusers)
 
 
 def test_kv_state_equals_the_bytes_the_paged_pools_allocate(shared):

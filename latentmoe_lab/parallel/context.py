@@ -92,7 +92,8 @@ class ContextParallelDSA(nn.Module):
     def __init__(self, inner: GatedDSA, comm: Comm, layout: SequenceLayout):
         super().__init__()
         self.inner, self.comm, self.layout = inner, comm, layout
-        self.entry_dims = (inner.kv_lora_rank, inner.rope_dim, inner.indexer.head_dim)
+        # a layer reusing another's selections (dsa.index_share_every) has no indexer and caches no index keys
+        self.entry_dims = (inner.kv_lora_rank, inner.rope_dim, 0 if inner.indexer is None else inner.indexer.head_dim)
 
     def forward(self, x: torch.Tensor, cache: DSALayerCache | None = None, **kwargs) -> torch.Tensor:
         if not self.layout.context_split:

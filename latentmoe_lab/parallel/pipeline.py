@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.config import DSA, ModelConfig
 
 FORWARD, BACKWARD = "F", "B"
 
@@ -63,8 +63,20 @@ def stage_costs(config: ModelConfig, stages: list[range]) -> list[int]:
     return totals
 
 
+def shared_selection_cuts(config: ModelConfig) -> list[bool]:
+    """allowed[j] for j in [0, num_layers]: may a stage start at layer j? Not inside a group of DSA layers that
+    share one indexer's selections (dsa.index_share_every > 1): they do not cross a stage boundary."""
+    allowed = [True] * (config.num_layers + 1)
+    for layer, kind in enumerate(config.layer_types):
+        if kind == DSA:
+            for j in range(config.index_source(layer) + 1, layer + 1):
+                allowed[j] = False
+    return allowed
+
+
 def partition_layers(config: ModelConfig, pp: int, model=None) -> list[range]:
-    """Contiguous layer ranges, one per stage, minimising the largest stage cost (see layer_costs)."""
+    """Contiguous layer ranges, one per stage, minimising the largest stage cost (see layer_costs); a stage
+    never starts inside a group of index-sharing DSA layers (shared_selection_cuts)."""
     n = config.num_layers
     if isinstance(pp, bool) or not isinstance(pp, int) or not 1 <= pp <= n:
         raise ValueError(f"pp: must be an integer in [1, num_layers={n}], got {pp!r}")
@@ -80,12 +92,19 @@ def partition_layers(config: ModelConfig, pp: int, model=None) -> list[range]:
     best = [[inf] * (n + 1) for _ in range(pp + 1)]
     cut = [[0] * (n + 1) for _ in range(pp + 1)]
     best[0][0] = 0
+    allowed = shared_selection_cuts(config)
     for s in range(1, pp + 1):
         for i in range(s, n - (pp - s) + 1):
             for j in range(s - 1, i):
+                if not allowed[j]:
+                    continue
                 value = max(best[s - 1][j], prefix[i] - prefix[j])
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
+    if best[pp][n] == inf:
+        raise ValueError(f"pp: {pp} stages need a stage boundary inside a group of DSA layers sharing one "
+                         f"indexer's selections (dsa.index_share_every {config.dsa.index_share_every}), and "
+                         "selections do not cross stages; use fewer stages or a smaller dsa.index_share_every")
     bounds, end = [], n
     for s in range(pp, 0, -1):
         bounds.append(range(cut[s][end], end))
