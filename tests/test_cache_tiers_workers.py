@@ -7,6 +7,11 @@ compared exactly: an entry round-trips through the workers bit for bit, and a di
 in-process engine serves a forward-process one (its files are refused unless every name, dtype and shape
 matches, and a wrong byte would change the tokens).
 """
+import os
+import signal
+import time
+
+import psutil
 import pytest
 import torch
 
@@ -173,3 +178,22 @@ def test_both_tiers_on_tensor_and_pipeline_parallel_workers(model, prompts, fres
     assert stats["prefix_hits_host"] >= 1 and stats["prefix_hits_refused"] == 0
     assert stats["offload_rows_moved"] > 0
     assert (stats["blocks_used"], stats["slots_used"]) == (0, 0)
+
+
+def test_a_worker_killed_under_the_spill_is_replaced_and_outputs_stay_right(model, prompts, fresh):
+    """SIGKILL between requests: the next eviction's read finds the group dead (the entry is dropped, later
+    reads are skipped), the step restarts the group and recomputes; nothing the dead pools held is served."""
+    engine = Engine(model, spill_service(model, {"host_bytes": 1 << 20}, FORWARD_PROCESS))
+    try:
+        first = serve(engine, prompts[:3])
+        victim = engine.runner.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        while psutil.pid_exists(victim) and psutil.Process(victim).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        rest = serve(engine, prompts[3:])
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert first[0] + rest[0] == fresh[0]
+    assert stats["worker_restarts"] == 1 and engine.block_manager.store.lost_group == 0
+    assert (stats["blocks_used"], stats["slots_used"], stats["running"], stats["waiting"]) == (0, 0, 0, 0)

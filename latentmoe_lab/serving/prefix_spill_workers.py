@@ -102,6 +102,7 @@ class WorkerPoolBlocks:
     def __init__(self, config, stages, plan):
         self.model_config, self.stages, self.block_size = config, stages, plan.block_size
         self.runner = None
+        self.lost_group = None  # runner.restarts when its group was lost under a read or write: skip until restart
         self.dsa = [i for i, kind in enumerate(config.layer_types) if kind == DSA]
         self.indexed = [i for i in self.dsa if config.index_source(i) == i]
         self.kda = [i for i, kind in enumerate(config.layer_types) if kind != DSA]
@@ -125,12 +126,15 @@ class WorkerPoolBlocks:
 
     def read(self, kind: str, index: int) -> Entry | None:
         """Block `index` (ROWS) or KDA row `index` (KDA) from the workers; None if the group was lost."""
+        if self.lost_group == self.runner.restarts:
+            return None
         positions = block_positions(index, self.block_size) if kind == ROWS else torch.zeros(0, dtype=torch.long)
         try:
             rows = read_rows_from_workers(self, positions, index if kind == KDA else None)
         except WorkerGroupError as error:
-            log.warning("prefix cache spill: the worker group was lost reading a %s entry; it is dropped: %s",
-                        kind, error)
+            self.lost_group = self.runner.restarts
+            log.warning("prefix cache spill: the worker group was lost reading a %s entry; it is dropped (and "
+                        "every entry until the engine restarts the group): %s", kind, error)
             return None
         if kind == KDA:
             return {f"layer{i}.{part}": rows[f"kda_{part}"][j] for j, i in enumerate(self.kda)
@@ -141,6 +145,8 @@ class WorkerPoolBlocks:
 
     def write(self, items: list[tuple[str, int, Entry]]) -> None:
         """Every block and the snapshot row (at most one) of a hit, in one write_rows message."""
+        if self.lost_group == self.runner.restarts:
+            return
         blocks = [(index, tensors) for kind, index, tensors in items if kind == ROWS]
         snapshots = [(index, tensors) for kind, index, tensors in items if kind == KDA]
         positions = torch.cat([block_positions(index, self.block_size) for index, _ in blocks] or
@@ -153,6 +159,7 @@ class WorkerPoolBlocks:
         try:
             write_rows_to_workers(self, positions, snapshots[0][0] if snapshots else None, rows)
         except WorkerGroupError as error:
+            self.lost_group = self.runner.restarts
             log.warning("prefix cache spill: the worker group was lost restoring a hit; the next step restarts "
                         "it with an empty device cache: %s", error)
 
