@@ -147,10 +147,11 @@ def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm, layers: range,
     experts = expert_range(config.moe.num_experts, pconfig.ep, mesh.index("ep"))
     if pconfig.pp > 1:
         keep_stage(model, layers, mesh.is_first_stage, mesh.is_last_stage)
-    model.expert_slots = {}
+    model.expert_slots, selections = {}, {}  # selections: this rank's SharedSelection per index source layer
     for index, block in zip(layers, model.layers):
         if tp > 1:
-            attn = (shard_kda if block.attention_type == KDA else shard_dsa)(block.attn, config, tp_index, tp)
+            attn = shard_kda(block.attn, config, tp_index, tp) if block.attention_type == KDA else shard_dsa(
+                block.attn, config, tp_index, tp, selections)
             block.attn = TensorParallel(attn, comm, whole, "tp.attn")
         if not block.is_moe:
             if tp > 1:
