@@ -96,7 +96,7 @@ class BlockBytes:
 
 
 class WorkerPoolBlocks:
-    """The pools of an engine's worker processes, through `runner` (a ParallelRunner, set by connect once it
+    """The pools of an engine's worker processes, through `runner` (a ParallelRunner, set by connect_workers once it
     has started). config: the whole model's; stages: the engine's ServingStages; plan: a rank's CachePlan."""
 
     def __init__(self, config, stages, plan):
