@@ -240,3 +240,38 @@ def test_the_same_worker_runs_under_torchrun():
                           capture_output=True, text=True, timeout=180, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "layout PP2 on 2 processes" in done.stdout and "tokens equal: True" in done.stdout
+
+
+def _context_parallel_fp64_worker():
+    """CP=2 of an fp64 model: its logits' largest error against one process, greedy parity, the bytes per tag."""
+    _, device = init_distributed(30)
+    torch.manual_seed(0)
+    model = build_reference(RunSettings())[0].double()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(prompt).logits
+        comm = Comm(ProcessMesh(ParallelConfig(cp=2), device))
+        sharded = parallelize(model, comm)
+        local = sharded.local_inputs(prompt)
+        comm.reset()
+        local_logits = sharded(local)
+        measured = {tag: n for tag, n in comm.bytes.items() if n}  # the forward's own traffic, no logits gather
+        logits = sharded.gather_logits(local_logits, local.shape[0], local.shape[1])
+        tokens_equal = torch.equal(sharded.generate(prompt, 3), model.generate(prompt, max_new_tokens=3))
+    error = None if logits is None else float((logits - reference).abs().max())
+    return error, tokens_equal, measured
+
+
+def test_context_parallel_hands_an_fp64_kda_state_over_in_fp64():
+    """The KDA hand-off between cp ranks carries the state in the dtype the KDA ops keep it in (fp64 for an fp64
+    model, fp32 otherwise): a fixed fp32 receive buffer made an fp64 run die in gloo with a size mismatch."""
+    from latentmoe_lab.parallel.traffic import forward_traffic
+
+    per_rank = launch(_context_parallel_fp64_worker, 2, timeout_s=120)
+    errors = [error for error, _, _ in per_rank if error is not None]
+    assert errors and max(errors) <= 1e-10
+    assert all(tokens_equal for _, tokens_equal, _ in per_rank)
+    model = build_reference(RunSettings())[0]
+    planned = forward_traffic(model.config, ParallelConfig(cp=2), 2, 40, act_bytes=8)
+    assert [measured for _, _, measured in per_rank] == [{k: v for k, v in p.items() if v} for p in planned]
+    assert per_rank[0][2]["cp.kda_state"] > 0

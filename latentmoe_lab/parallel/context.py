@@ -43,10 +43,11 @@ class ContextParallelKDA(nn.Module):
         mesh, batch = self.comm.mesh, x.shape[0]
         index, parts = mesh.index("cp"), mesh.size("cp")
         handoff = KDALayerCache()
+        state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # the KDA ops' state dtype
         if index > 0:
             src = mesh.peer("cp", index - 1)
             handoff.conv_state = self.comm.recv((batch, *self.conv_shape), x.dtype, src, "cp.kda_conv")
-            handoff.recurrent_state = self.comm.recv((batch, *self.state_shape), torch.float32, src, "cp.kda_state")
+            handoff.recurrent_state = self.comm.recv((batch, *self.state_shape), state_dtype, src, "cp.kda_state")
         out = self.inner(x, handoff, **kwargs)
         if index < parts - 1:
             dst = mesh.peer("cp", index + 1)
@@ -55,7 +56,7 @@ class ContextParallelKDA(nn.Module):
         if cache is not None:  # decode continues from the end of the whole prefill on every cp rank
             last = index == parts - 1
             conv = handoff.conv_state if last else x.new_empty(batch, *self.conv_shape)
-            state = handoff.recurrent_state if last else x.new_empty(batch, *self.state_shape, dtype=torch.float32)
+            state = handoff.recurrent_state if last else x.new_empty(batch, *self.state_shape, dtype=state_dtype)
             cache.conv_state = self.comm.broadcast(conv.contiguous(), parts - 1, "cp", "cp.kda_broadcast")
             cache.recurrent_state = self.comm.broadcast(state.contiguous(), parts - 1, "cp", "cp.kda_broadcast")
         return out

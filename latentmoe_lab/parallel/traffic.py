@@ -77,7 +77,7 @@ def forward_traffic(config: ModelConfig, pconfig: ParallelConfig, batch: int, se
     stages = stages or partition_layers(config, pconfig.pp)
     kda, mla = config.kda, config.mla
     conv_bytes = (2 * kda.head_dim_k + kda.head_dim_v) * kda.num_heads // tp * (kda.conv_kernel - 1) * act_bytes
-    state_bytes = kda.num_heads // tp * kda.head_dim_k * kda.head_dim_v * 4
+    state_bytes = kda.num_heads // tp * kda.head_dim_k * kda.head_dim_v * max(4, act_bytes)  # fp32, fp64 in fp64 runs
     tokens_mb = rows_mb * local_len
     shard_bytes = tokens_mb // tp * d * act_bytes  # one sequence-parallel shard of the residual stream
     full_bytes = tokens_mb * d * act_bytes
