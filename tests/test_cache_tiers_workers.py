@@ -124,6 +124,10 @@ def test_a_spilled_hit_on_a_forward_process_equals_a_fresh_run(model, prompts, f
     assert stats[f"prefix_hits_{tier}"] == 3 and stats["prefix_hit_tokens"] == 3 * 4 * BLOCK
     assert stats["prefix_hits_refused"] == 0 and stats[f"spill_bytes_{tier}_to_device"] > 0
     assert (stats["blocks_used"], stats["slots_used"], stats["running"], stats["waiting"]) == (0, 0, 0, 0)
+    if tier == "disk":  # close() wrote what the workers' device cache held: an in-process engine serves it all
+        reader = Engine(model, spill_service(model, {"disk_dir": str(tmp_path)}))
+        tokens, _ = serve(reader, prompts)
+        assert tokens == fresh[0] and reader.stats()["prefix_hits_disk"] == 6
 
 
 def test_a_disk_spill_written_in_process_serves_a_forward_process(model, prompts, fresh, tmp_path):
