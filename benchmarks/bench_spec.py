@@ -3,10 +3,10 @@
 For each torch thread count and batch size (max_num_seqs), the same greedy requests run through an Engine
 without a speculative section and with each method; every spec run's tokens must equal the baseline's
 (greedy speculation is exact). The runs take turns for --repeats rounds and the best of each counts (a shared
-machine's load then hits them alike). Reported: decode tokens/s (tokens emitted by steps without prefill over their
-time), its ratio over the baseline, the same per CPU-second of this process (steadier than wall time on a
-shared machine; with 2 threads it counts both), the end-to-end ratio (prefill included), the mean accepted length (tokens per verify step: accepted drafts + 1) and the acceptance rate per
-draft position.
+machine's load then hits them alike). Reported: decode tokens/s (tokens emitted by steps without prefill over
+their time), its ratio over the baseline, the same per CPU-second of this process (steadier than wall time on
+a shared machine; with 2 threads it counts both), the end-to-end ratio (prefill included), the mean accepted
+length (tokens per verify step: accepted drafts + 1) and the acceptance rate per draft position.
 
     python benchmarks/bench_spec.py --checkpoint DIR     a save_pretrained model with an MTP head (train it
                                                           with --mtp-depth 1, export with trained_model export)
@@ -122,8 +122,8 @@ def main() -> None:
                     raise SystemExit(f"{method}: greedy tokens differ from the run without speculation")
                 ratio, e2e = spec["tok_s"] / base["tok_s"], spec["e2e_tok_s"] / base["e2e_tok_s"]
                 cpu = spec["tok_cpu_s"] / base["tok_cpu_s"]
-                print(f"{threads:>7} {batch:>5} {method:>6} {spec['tok_s']:>8.1f} {ratio:>6.2f} {cpu:>9.2f} {e2e:>9.2f} "
-                      f"{spec['mean_accepted_length']:>12.2f}  {spec['acceptance_per_position']}")
+                print(f"{threads:>7} {batch:>5} {method:>6} {spec['tok_s']:>8.1f} {ratio:>6.2f} {cpu:>9.2f} "
+                      f"{e2e:>9.2f} {spec['mean_accepted_length']:>12.2f}  {spec['acceptance_per_position']}")
                 rows.append({"model": label, "threads": threads, "batch": batch, "method": method,
                              "tok_s": spec["tok_s"], "baseline_tok_s": base["tok_s"], "ratio": ratio,
                              "e2e_ratio": e2e, "cpu_ratio": cpu,

@@ -54,7 +54,8 @@ def rejection_step(p: torch.Tensor, q: torch.Tensor, draft: int, generator: torc
     Accepted with probability min(1, p(d) / q(d)): the draft itself. Otherwise a draw from
     norm(max(0, p - q)). Over the draft's randomness the token is distributed as p."""
     if not q[draft] > 0:
-        raise ValueError(f"draft: token {draft} has probability {float(q[draft])} under q; a draft must be drawn from q")
+        raise ValueError(f"draft: token {draft} has probability {float(q[draft])} under q; a draft must be drawn "
+                         "from q")
     if float(torch.rand((), generator=generator)) * float(q[draft]) < float(p[draft]):
         return draft, True
     residual = (p - q).clamp_min(0)
