@@ -28,8 +28,6 @@ import os
 import random
 import statistics
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -38,10 +36,12 @@ from common import machine_info, make_parser, write_json
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.server.disagg_worker import DisaggWorker
+from latentmoe_lab.server.drive import drive
 from latentmoe_lab.server.loading import load_model
 from latentmoe_lab.server.settings import split_service_dict
 from latentmoe_lab.server.worker import EngineWorker
 from latentmoe_lab.serving import SamplingParams
+from latentmoe_lab.serving.workload import WorkloadRequest
 
 FULL = {"short": 32, "long": 8, "long_tokens": 8192, "new_tokens": 64, "gap_s": 0.25}
 QUICK = {"short": 8, "long": 2, "long_tokens": 1024, "new_tokens": 16, "gap_s": 0.1}
@@ -73,34 +73,10 @@ def workload(shape: dict, seed: int = 0) -> list[dict]:
 
 
 def run(worker, requests: list[dict], new_tokens: int) -> list[dict]:
-    """Submit at the arrival times; per request its submit time, token times and end."""
-    done = threading.Event()
-    records = [{"kind": r["kind"], "prompt_tokens": len(r["prompt"]), "times": [], "ids": []} for r in requests]
-    left = [len(requests)]
-    lock = threading.Lock()
-
-    def deliver(record):
-        def on_event(event):
-            now = time.monotonic()
-            record["times"] += [now] * len(event.token_ids)
-            record["ids"] += event.token_ids
-            if event.finished:
-                record["end"], record["reason"] = now, event.finish_reason
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
-        return on_event
-
-    start = time.monotonic()
-    for request, record in zip(requests, records):
-        time.sleep(max(0.0, start + request["at"] - time.monotonic()))
-        record["submitted"] = time.monotonic()
-        record["key"] = worker.submit(request["prompt"], SamplingParams(max_tokens=new_tokens),
-                                      deliver(record)).result(timeout=60)
-    if not done.wait(timeout=1800):
-        raise RuntimeError("the workload did not finish within 30 minutes")
-    return records
+    """Submit at the arrival times (server/drive.py); per request its kind, submit time, token times and end."""
+    driven = drive(worker, [WorkloadRequest(r["at"], r["prompt"], SamplingParams(max_tokens=new_tokens))
+                            for r in requests])
+    return [{"kind": r["kind"], **dataclasses.asdict(record)} for r, record in zip(requests, driven)]
 
 
 def summary(records: list[dict]) -> dict:
@@ -121,8 +97,8 @@ def summary(records: list[dict]) -> dict:
 
 def transfers(worker: DisaggWorker, records: list[dict]) -> dict:
     by_key = {r["key"]: r for r in records}
-    rows = [(by_key[key], size, seconds, tokens) for key, size, seconds, tokens in worker.transfers
-            if key in by_key]  # not the warm-up's
+    rows = [(by_key[t.key], t.size, t.seconds, t.prompt_tokens) for t in worker.transfers
+            if t.key in by_key]  # not the warm-up's
     long_rows = [row for row in rows if row[0]["kind"] == "long"] or rows
     return {"count": len(rows), "bytes": sum(row[1] for row in rows),
             "seconds_per_1k_prompt_tokens": statistics.median(row[2] / row[3] * 1000 for row in long_rows),

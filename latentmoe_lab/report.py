@@ -1,10 +1,13 @@
 """Self-contained HTML reports: a title, preformatted text blocks and plotly figures, plotly.js inlined once.
 
-A figure may come with a caption (`Captioned`): one sentence under it saying what to read in it.
+A figure may come with a caption (`Captioned`): one sentence under it saying what to read in it. `Data`
+embeds the numbers a report was drawn from as JSON, for programs (read_report_data) rather than readers.
 """
 from __future__ import annotations
 
 import html
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +29,41 @@ class Captioned:
             raise ValueError("caption: must be a non-empty string")
 
 
-Section = str | go.Figure | Captioned
+@dataclass(frozen=True)
+class Data:
+    """A JSON object embedded as <script type="application/json" id="{name}">: invisible, parseable."""
+
+    name: str
+    payload: dict
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", self.name):
+            raise ValueError(f"name: letters, digits, '_' and '-', starting with a letter; got {self.name!r}")
+
+    def html(self) -> str:
+        text = json.dumps(self.payload, allow_nan=False).replace("</", "<\\/")  # never ends the script element
+        return f"<script type='application/json' id='{self.name}'>{text}</script>"
+
+
+def read_report_data(page: str, name: str) -> dict:
+    """The payload of the Data section `name` of a report page; KeyError naming it when the page has none."""
+    match = re.search(f"<script type='application/json' id='{re.escape(name)}'>(.*?)</script>", page, re.S)
+    if match is None:
+        raise KeyError(f"name: the report holds no data section {name!r}")
+    return json.loads(match.group(1))
+
+
+Section = str | go.Figure | Captioned | Data
 
 
 def html_report(title: str, sections: Sequence[Section]) -> str:
-    """Render text blocks (as <pre>) and figures in order into one HTML page that needs no network."""
+    """Render text blocks (as <pre>), figures and data in order into one HTML page that needs no network."""
     body = []
     first_figure = True
     for section in sections:
-        if isinstance(section, (go.Figure, Captioned)):
+        if isinstance(section, Data):
+            body.append(section.html())
+        elif isinstance(section, (go.Figure, Captioned)):
             figure = section.figure if isinstance(section, Captioned) else section
             plot = figure.to_html(full_html=False, include_plotlyjs="inline" if first_figure else False)
             first_figure = False

@@ -19,7 +19,7 @@ from latentmoe_lab.server.settings import ServerSettings
 from latentmoe_lab.server.worker import Event
 from latentmoe_lab.serving import ServiceConfig
 from latentmoe_lab.serving.disagg.router import Router
-from latentmoe_lab.serving.disagg.router_request import RequestEvent
+from latentmoe_lab.serving.disagg.router_request import RequestEvent, TransferRecord
 
 INSTANCE_GAUGES = ("running", "waiting", "held", "blocks_used", "slots_used")
 
@@ -76,7 +76,7 @@ class DisaggWorker:
         self.router: Router | None = None
         self.model = None  # .config.vocab_size, from the instances (the weights live there)
         self.last_stats: dict = {}
-        self.transfers: deque = deque(maxlen=10_000)  # (key, bytes, seconds, prompt tokens), the latest ones
+        self.transfers: deque[TransferRecord] = deque(maxlen=10_000)  # the latest ones
 
     @property
     def restarts(self) -> int:
@@ -137,10 +137,10 @@ class DisaggWorker:
             self.roles.tpot.labels(role="decode", instance=name).observe((last - first) / (len(decode_times) - 1))
         self._publish()
 
-    def _transferred(self, key: int, size: int, seconds: float, prompt_tokens: int) -> None:
-        self.transfers.append((key, size, seconds, prompt_tokens))
-        self.roles.transfer_bytes.inc(size)
-        self.roles.transfer_seconds.observe(seconds)
+    def _transferred(self, transfer: TransferRecord) -> None:
+        self.transfers.append(transfer)
+        self.roles.transfer_bytes.inc(transfer.size)
+        self.roles.transfer_seconds.observe(transfer.seconds)
 
     def _publish(self) -> None:
         """/health's figures: the service's blocks and slots over all instances (0 and 0 after a drain)."""

@@ -2,6 +2,8 @@
 
     latentmoe-lab plan-service configs/service-example.yaml        per-device memory plan, nothing allocated
     latentmoe-lab serve-bench --config configs/service-cpu.yaml    synthetic workload -> metrics + reports/serve.html
+    latentmoe-lab serve-bench --config configs/service-cpu-pd.yaml the same through prefill + decode instance
+                                                                   processes; the report shows their timelines
 """
 from __future__ import annotations
 
@@ -26,19 +28,22 @@ def add_parser(subparsers) -> None:
     bench = subparsers.add_parser(
         "serve-bench", help="run a synthetic workload through the serving engine and report latencies",
         description="Poisson arrivals of mixed-length prompts (some with an image) through Engine; prints the "
-                    "TTFT / TPOT / ITL / queue / e2e table and engine stats, writes an HTML report.")
+                    "TTFT / TPOT / ITL / queue / e2e table and engine stats, writes an HTML report. A service file "
+                    "with a disaggregation: section runs them (text only) through its prefill and decode instance "
+                    "processes instead: latencies per role, each instance's steps and the transfers between them.")
     bench.add_argument("--config", required=True, help="service YAML that runs here, e.g. configs/service-cpu.yaml")
     bench.add_argument("--requests", type=int, default=24, help="number of requests (default: %(default)s)")
     bench.add_argument("--rate", type=float, default=4.0, help="arrivals per second (default: %(default)s)")
     bench.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (default: %(default)s)")
     bench.add_argument("--max-prompt", type=int, default=512, help="longest prompt (default: %(default)s)")
     bench.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
-    bench.add_argument("--image-fraction", type=float, default=0.25,
-                       help="share of prompts carrying an image (default: %(default)s)")
+    bench.add_argument("--image-fraction", type=float, default=None,
+                       help="share of prompts carrying an image (default: 0.25; 0 with a disaggregation: section)")
     bench.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     bench.add_argument("--threads", type=int, default=None,
                        help="torch threads, also of the forward process (default: from the cores available, 1 "
-                            "when 2 or fewer: latentmoe_lab/threads.py)")
+                            "when 2 or fewer: latentmoe_lab/threads.py); with a disaggregation: section, each "
+                            "instance's (default: parallel.forward_threads)")
     bench.add_argument("--report", default="reports/serve.html", help="HTML report path (default: %(default)s)")
     bench.set_defaults(func=cmd_serve_bench)
 
@@ -91,7 +96,7 @@ def check_bench_flags(args: argparse.Namespace, max_model_len: int) -> None:
              ("--max-prompt", args.max_prompt >= args.min_prompt, f"must be >= --min-prompt ({args.min_prompt})"),
              ("--max-tokens", 1 <= args.max_tokens < max_model_len,
               f"must be >= 1 and below the config's model.max_model_len ({max_model_len})"),
-             ("--image-fraction", 0 <= args.image_fraction <= 1, "must be in [0, 1]"),
+             ("--image-fraction", args.image_fraction is None or 0 <= args.image_fraction <= 1, "must be in [0, 1]"),
              ("--threads", args.threads is None or args.threads >= 1, "must be >= 1"))
     for flag, holds, rule in rules:
         if not holds:
@@ -114,6 +119,11 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
 
     service = ServiceConfig.from_yaml(args.config)
     check_bench_flags(args, service.model.max_model_len)
+    if service.disaggregation.enabled:  # instance processes per role (docs/design.md §13.2)
+        from latentmoe_lab.server.disagg_bench import serve_bench_disagg
+
+        return serve_bench_disagg(args, _say)
+    args.image_fraction = 0.25 if args.image_fraction is None else args.image_fraction
     from latentmoe_lab.threads import apply_threads
 
     threads = apply_threads(args.threads, echo=_say)

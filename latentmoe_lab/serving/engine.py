@@ -218,9 +218,10 @@ class Engine:
                     if seq.status is Status.RUNNING:
                         self.scheduler.preempt(seq)
                 raise self._step_failed(batch, error, outputs) from error
-        prefill = batch.num_tokens - batch.num_decode_tokens
+        decode = batch.num_decode_tokens  # before finish_step, which makes a prompt finished here look like a decode
+        prefill, prefill_chunks = batch.num_tokens - decode, batch.num_prefill_chunks
         self._tokens["prefill"] += prefill
-        self._tokens["decode"] += batch.num_decode_tokens
+        self._tokens["decode"] += decode
         # a verify step's real tokens: its last token and the accepted drafts (one per emitted token)
         committed = [len(sampled.get(seq.request_id, ())) if seq.verify_slots else n for seq, n in batch.entries]
         self.scheduler.finish_step(batch, sampled)
@@ -243,10 +244,10 @@ class Engine:
         self._steps += 1
         self.log.steps.append(StepRecord(
             time=now, duration=now - start, schedule_time=schedule_time, prefill_tokens=prefill,
-            decode_tokens=batch.num_decode_tokens, running=len(self.scheduler.running),
+            decode_tokens=decode, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), blocks_used=self.block_manager.blocks_used,
             slots_used=self.block_manager.slots_used, preemptions=len(batch.preempted),
-            prefix_hit_tokens=self.scheduler.prefix_hit_tokens))
+            prefix_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_chunks=prefill_chunks))
         return outputs
 
     def _sample(self, batch, output, outputs: list[RequestOutput]) -> dict[int, list[int]]:

@@ -62,6 +62,7 @@ class StepRecord:
     slots_used: int
     preemptions: int  # in this step
     prefix_hit_tokens: int  # total so far
+    prefill_chunks: int = 0  # sequences that ran prompt tokens in this step (the others decoded)
 
 
 DEFAULT_MAX_RECORDS = 100_000  # a long benchmark's worth; a server keeps far fewer (Prometheus has the history)

@@ -76,6 +76,11 @@ class ScheduledBatch:
         """Tokens of decodes (the last sampled token and its drafts)."""
         return sum(n for seq, n in self.entries if seq.num_remaining == 1 and seq.generated_ids)
 
+    @property
+    def num_prefill_chunks(self) -> int:
+        """Entries that run prompt tokens (a chunk of a prompt, or of a recompute), not a decode."""
+        return sum(1 for seq, _ in self.entries if not (seq.num_remaining == 1 and seq.generated_ids))
+
     def emits(self) -> list[bool]:
         return [seq.num_computed + n == seq.num_tokens + len(seq.draft_ids) for seq, n in self.entries]
 

@@ -12,9 +12,10 @@ router's request number, the engine's own ids never leave the process:
       resend key (it refused the                                   a stop id at the first token, an error)
         payload: export again)      stats {...}                   (after every step)
     router -> decode              decode -> router
-      import key start + payload    imported key bytes seconds   (the ack; seconds since export began)
+      import key start + payload    imported key bytes seconds start  (the ack; seconds since export began)
       abort key                     refused key why              (checksum or format: the router asks again)
                                     tokens / finished / stats     as above
+      steplog (both)                steplog [StepRecord]         (the engine's step log, serve-bench's timelines)
       stop (both)
 
 A prefill instance runs each request until its first token (disagg.prefill_step exports and holds it), a
@@ -105,6 +106,9 @@ class _Loop:
                 header, payload = self.channel.recv()
                 if header[0] == "stop":
                     return
+                if header[0] == "steplog":
+                    self.channel.send(("steplog", list(self.engine.log.steps)))
+                    continue
                 self.command(header, payload)
                 timeout, changed = 0.0, True
             if self.busy():
@@ -246,7 +250,7 @@ class DecodeLoop(_Loop):
                 continue
             self.pending.popleft()
             self.ids[key], self.keys[request_id] = request_id, key
-            self.channel.send(("imported", key, size, time.monotonic() - start))
+            self.channel.send(("imported", key, size, time.monotonic() - start, start))
 
     def step(self) -> None:
         from latentmoe_lab.serving import StepError

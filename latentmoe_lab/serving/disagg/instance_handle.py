@@ -20,6 +20,8 @@ class Instance:
         self.alive = True
         self.identity = self.vocab_size = self.pid = None
         self.stats: dict = {}
+        self.step_log: list | None = None  # the engine's step records, when Router.step_logs asked for them
+        self.step_log_ready = threading.Event()
         self.outbox: queue.Queue = queue.Queue()
         self.start_error: str | None = None
         ours, theirs = socket.socketpair()

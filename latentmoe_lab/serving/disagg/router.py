@@ -34,7 +34,7 @@ from typing import Callable
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.disagg.instance import InstanceFaults, InstanceSpec
 from latentmoe_lab.serving.disagg.instance_handle import Instance
-from latentmoe_lab.serving.disagg.router_request import RequestEvent, RoutedRequest
+from latentmoe_lab.serving.disagg.router_request import RequestEvent, RoutedRequest, TransferRecord
 from latentmoe_lab.serving.disagg.service_config import role_config
 from latentmoe_lab.serving.sampling import SamplingParams
 
@@ -53,7 +53,7 @@ class Router:
             raise ValueError("disaggregation: the service file has no disaggregation: section")
         self.config, self.model_loader, self.max_restarts = config, model_loader, max_restarts
         self.faults = faults or {}  # instance name ("prefill0") -> its first process's faults (tests)
-        self.on_transfer = on_transfer  # (key, bytes, seconds, prompt tokens) of every acked transfer
+        self.on_transfer = on_transfer  # called with the TransferRecord of every acked transfer
         self.counts = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "refused": 0,
                        "recomputed": 0}
         self.restarts = {"prefill": 0, "decode": 0}
@@ -118,6 +118,22 @@ class Router:
             instance.channel.close()
         for thread in self._threads:
             thread.join(timeout=5)
+
+    def step_logs(self, timeout: float = 30.0) -> dict[str, list]:
+        """Instance name -> its engine's step records (serving.metrics.StepRecord, the latest
+        scheduler.max_log_records), asked of every running instance; a restarted instance's log starts anew.
+        TimeoutError naming the instances that did not answer."""
+        with self._lock:
+            asked = [i for i in self.all_instances() if i.alive and i.ready.is_set()]
+            for instance in asked:
+                instance.step_log = None
+                instance.step_log_ready.clear()
+                instance.send(("steplog",))
+        deadline = time.monotonic() + timeout
+        silent = [i.name for i in asked if not i.step_log_ready.wait(max(0.0, deadline - time.monotonic()))]
+        if silent:
+            raise TimeoutError(f"step logs: no answer from {', '.join(silent)} within {timeout:g} s")
+        return {instance.name: instance.step_log for instance in asked}
 
     def problem(self) -> str | None:
         """Why the service cannot serve right now (for /health), or None."""
@@ -211,6 +227,10 @@ class Router:
         if kind == "stats":
             instance.stats = header[1]
             return
+        if kind == "steplog":
+            instance.step_log = header[1]
+            instance.step_log_ready.set()
+            return
         request = self._requests.get(header[1])
         if request is None:  # finished or aborted meanwhile: give back what the instance still holds
             if kind == "payload":
@@ -226,15 +246,16 @@ class Router:
         elif kind == "finished":
             self._finish(request, header[2], header[3], (instance.spec.role, instance.name))
         elif kind == "payload":
-            request.payload = (header[2], payload)
+            request.payload, request.exporter = (header[2], payload), instance.name
             self._to_decode(request)
         elif kind == "imported":
-            _, _, size, seconds = header
+            _, _, size, seconds, start = header
             self.counts["transfers"] += 1
             self.counts["transfer_bytes"] += size
             self.counts["transfer_seconds"] += seconds
             if self.on_transfer is not None:
-                self.on_transfer(request.key, size, seconds, request.prompt_sent)
+                self.on_transfer(TransferRecord(request.key, size, start, seconds, request.prompt_sent,
+                                                request.exporter, instance.name))
             if request.prefill is not None:
                 request.prefill.send(("release", request.key))  # the ack: the prefill side frees its blocks
                 request.prefill = None

@@ -25,6 +25,20 @@ class RequestEvent:
     source: tuple[str, str] | None = None  # (role, instance name) that made the tokens or the end
 
 
+@dataclass(frozen=True)
+class TransferRecord:
+    """One acknowledged cache transfer: export start on `source` (a prefill instance) to import done on `target`
+    (a decode instance), on the machine's monotonic clock (one for every process)."""
+
+    key: int
+    size: int  # payload bytes
+    start: float
+    seconds: float
+    prompt_tokens: int
+    source: str
+    target: str
+
+
 @dataclass(eq=False)
 class RoutedRequest:
     key: int
@@ -37,6 +51,7 @@ class RoutedRequest:
     prefill: "Instance | None" = None  # holds it: computing, or its rows until the ack
     decode: "Instance | None" = None  # was sent its payload (imported once acked)
     payload: tuple | None = None  # (start, bytes) waiting for a decode instance
+    exporter: str | None = None  # the prefill instance that sent the latest payload
     resends: int = 0
     recomputes: int = 0
     prompt_sent: int = 0  # the prompt the prefill instance computes (prompt + tokens so far on a recompute)
