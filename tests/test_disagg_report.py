@@ -116,3 +116,11 @@ def test_step_records_split_prefill_and_decode_tokens_as_the_engine_counts_them(
     assert sum(s.prefill_tokens for s in steps) == stats["prefill_tokens"] == 60
     assert sum(s.decode_tokens for s in steps) == stats["decode_tokens"] == 2 * 2
     assert [s.prefill_chunks for s in steps][:2] == [1, 2]  # 32 tokens of the first; 16 more and the second
+
+
+def test_the_workload_has_the_same_prompts_with_or_without_a_vision_tower():
+    """serve-bench on a disaggregated service (text only) runs the colocated run's prompts at --image-fraction 0."""
+    from latentmoe_lab.serving.workload import synthetic_workload
+
+    runs = [synthetic_workload(12, 4.0, 8, 300, 4, 0.0, 256, seed=3, has_vision=vision) for vision in (True, False)]
+    assert [(r.arrival, r.prompt) for r in runs[0]] == [(r.arrival, r.prompt) for r in runs[1]]

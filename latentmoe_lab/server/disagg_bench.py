@@ -49,7 +49,7 @@ def serve_bench_disagg(args: argparse.Namespace, say) -> int:
         requests = synthetic_workload(args.requests, args.rate, args.min_prompt,
                                       min(args.max_prompt, config.model.max_model_len - args.max_tokens),
                                       args.max_tokens, 0.0, worker.model.config.vocab_size, args.seed,
-                                      has_vision=False)
+                                      has_vision=False)  # the colocated run's prompts at --image-fraction 0
         with tqdm(total=len(requests), desc="serve-bench") as bar:
             records = drive(worker, requests, progress=bar)
         t0 = min(r.submitted for r in records)

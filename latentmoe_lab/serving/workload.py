@@ -40,7 +40,8 @@ def synthetic_workload(num_requests: int, rate: float, min_prompt: int, max_prom
     requests = []
     for arrival in arrivals:
         length = int(torch.randint(min_prompt, max_prompt + 1, (1,), generator=g))
-        if has_vision and float(torch.rand(1, generator=g)) < image_fraction:
+        with_image = float(torch.rand(1, generator=g)) < image_fraction  # drawn always: the same lengths either way
+        if has_vision and with_image:
             text = "<image>" + bytes(torch.randint(97, 123, (max(length - 6, 1),), generator=g).tolist()).decode()
             prompt = {"text": text, "images": [torch.rand(3, image_size, image_size, generator=g)]}
         else:
