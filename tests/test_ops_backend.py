@@ -49,6 +49,10 @@ def test_package_and_auto_ops_do_not_import_triton():
             "route_topk(torch.randn(4, 8), 2, backend='auto')\n"
             "q = torch.randn(1, 3, 1, 4)\n"
             "kda_chunked(q, q, q, -q.abs(), torch.rand(1, 3, 1), backend='auto')\n"
+            "from latentmoe_lab import ModelConfig\n"  # a whole forward and backward: the CPU experts' path too
+            "model = latentmoe_lab.model.LatentMoEForCausalLM(ModelConfig.from_preset('tiny'))\n"
+            "ids = torch.randint(0, 512, (2, 40))\n"
+            "model(ids, labels=ids).loss.backward()\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

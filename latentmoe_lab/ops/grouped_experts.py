@@ -31,9 +31,12 @@ from latentmoe_lab.ops import routing
 
 def fits(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """This path applies: plain CPU tensors (no DTensor), fp32 / bf16 of one dtype, rows of 16-byte multiples
-    (torch._grouped_mm's rule)."""
+    (torch._grouped_mm's rule), and no torch.compile trace in progress: _grouped_mm's fake-tensor rule takes
+    bf16 only, so a compiled model traces the tiled path instead. (Checked here rather than with
+    @torch.compiler.disable, which imports torch._dynamo and with it triton when this module loads.)"""
     plain = all(isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor" for t in (z, w13, w2))
-    return (plain and z.device.type == "cpu" and hasattr(torch, "_grouped_mm") and z.dtype in (torch.float32, torch.bfloat16)
+    return (plain and not torch.compiler.is_compiling() and z.device.type == "cpu" and hasattr(torch, "_grouped_mm")
+            and z.dtype in (torch.float32, torch.bfloat16)
             and z.dtype == w13.dtype == w2.dtype
             and all(size * z.element_size() % 16 == 0 for size in (w13.shape[1], w13.shape[2], w2.shape[1])))
 
@@ -111,9 +114,6 @@ class _GroupedSwiGLUExperts(torch.autograd.Function):
         return join(grad_z), join(grad_w13), join(grad_w2), None, None, None
 
 
-# torch._grouped_mm's fake-tensor rule (what torch.compile traces with) takes bf16 only: the experts run
-# eager between the compiled graphs of a torch.compile'd model.
-@torch.compiler.disable
 def grouped_swiglu_experts(z: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            clamp: float | None = None) -> torch.Tensor:
     """Expert_e(z_r) for every expert-major row: z [M, l], counts [E] int, w13 [E, l, 2F], w2 [E, F, l] -> [M, l].
