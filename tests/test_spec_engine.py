@@ -280,11 +280,6 @@ def test_abort_mid_verify_gives_every_slot_and_block_back(model, prompts, refere
     assert engine.speculator.drafter.released >= set(ids)
 
 
-def test_mtp_on_worker_processes_is_refused_naming_the_layout(model):
-    with pytest.raises(ValueError, match=r"speculative\.method: 'mtp' needs the target's hidden states"):
-        Engine(model, service("mtp", k=2, parallel={"forward_process": True}))
-
-
 def test_the_forward_process_verifies_drafts_too(model, prompts, references):
     """spec_slots travel to the worker with the step: greedy tokens still equal generate, drafts accepted."""
     engine = engine_for(model, references, "oracle", k=3, parallel={"forward_process": True})

@@ -53,7 +53,7 @@ from latentmoe_lab.serving.prefix_spill import block_manager_for, connect_worker
 from latentmoe_lab.serving.sampling import SamplingParams, sample_token
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
-from latentmoe_lab.serving.spec.setup import check_engine_start
+from latentmoe_lab.serving.spec.setup import make_drafter
 from latentmoe_lab.serving.spec.speculator import Speculator, spec_stats
 
 MAX_WORKER_RESTARTS_IN_A_ROW = 3  # a parallel step that loses its workers again and again raises
@@ -94,8 +94,10 @@ class Engine:
         expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype)
         if expected is not None and weights != expected:
             raise ValueError(f"model.dtype: the config says {cfg.model.dtype} but the model's weights are {weights}")
-        drafter = check_engine_start(cfg.speculative, model, layout)  # before anything is allocated
+        drafter = make_drafter(cfg.speculative, model)  # before anything is allocated
         self.speculator = None if drafter is None else Speculator(drafter, cfg.speculative)  # spec/speculator.py
+        # the MTP drafter reads every new token's hidden state: the runner asks the forward for those rows
+        return_hidden = self.speculator is not None and self.speculator.needs_hidden
         # a worker rank's pools hold its pipeline stage's layers with its local KDA heads: plan each stage's
         # share (one block count for all); self.plan is stage 0's
         self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
@@ -117,10 +119,10 @@ class Engine:
             len(moe), moe[0].num_experts, layout.ep, cfg.eplb.num_redundant_experts, moe[0].n_group,
             cfg.eplb.rebalance_interval_steps, cfg.eplb.layers_per_step)
         self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device, cfg.scheduler.batch_invariant,
-                                   return_hidden=self.speculator is not None and self.speculator.needs_hidden)
+                                   return_hidden)
                        if layout is None
                        else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout),
-                                           self.balancer, self.expert_load))
+                                           self.balancer, self.expert_load, return_hidden))
         connect_workers(self.block_manager, self.runner)  # a spill over worker processes reads their pools
         copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,

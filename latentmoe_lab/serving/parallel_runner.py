@@ -5,8 +5,9 @@
     rank 0 ---- broadcast over gloo ----> ranks 1..n-1   parallel_worker.py: every rank runs its part of
         |                                             the forward over its shard and its own pools;
         |  pipes: every rank's seconds, and from      with pp > 1 (pipeline_stage.py) stage s sends the
-        |  the answer rank the logits [S, vocab]      hidden states to stage s + 1, and the answer rank
-        |  and finite flags                           is the first rank of the last stage
+        |  the answer rank the logits [S, vocab],     hidden states to stage s + 1, and the answer rank
+        |  finite flags and the hidden rows the       is the first rank of the last stage
+        |  step asked for (MTP drafts, §12)
 
 `serving_layout` turns the YAML `parallel` section into a ParallelConfig and refuses what cannot run,
 naming the key. `WorkerGroup` owns the processes: forkserver children (a clean single-threaded parent,
@@ -164,14 +165,16 @@ class WorkerGroup:
                     waiting.discard(rank)
         return self
 
-    def step(self, header: dict, flat: torch.Tensor,
-             features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float, int]], list]:
+    def step(self, header: dict, flat: torch.Tensor, features: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float, int]], list, torch.Tensor | None]:
         """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, every rank's (forward seconds,
         collective seconds, resident bytes) in rank order, every rank's expert load {"counts": its stage's
-        routed tokens [L_stage, E], "moved": bytes its EPLB migration copied}); WorkerGroupError on any failure.
+        routed tokens [L_stage, E], "moved": bytes its EPLB migration copied}, the hidden rows [H, hidden]
+        fp32 at the step's hidden_index or None without one); WorkerGroupError on any failure.
 
-        The answer rank sends the logits with its seconds, every other rank its seconds alone, each on its
-        own pipe once its part of the step is done; the step returns when all of them have arrived.
+        The answer rank sends the logits (and hidden rows) with its seconds, every other rank its seconds
+        alone, each on its own pipe once its part of the step is done; the step returns when all of them
+        have arrived.
         """
         if not self.conns:
             raise self._failure("the group was killed after an earlier failure")
@@ -204,7 +207,7 @@ class WorkerGroup:
                 raise self._failure(f"rank {dead[0]} failed the step")
         ranks = range(len(self.conns))
         return (torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), [seconds[r] for r in ranks],
-                [loads[r] for r in ranks])
+                [loads[r] for r in ranks], None if answer[5] is None else torch.from_numpy(answer[5]))
 
     def exchange_rows(self, header: dict) -> list[dict[str, torch.Tensor]]:
         """A "read_rows" or "write_rows" message of a prefill -> decode transfer (parallel_worker.exchange_rows)
@@ -286,8 +289,9 @@ class ParallelRunner(ModelRunner):
     """
 
     def __init__(self, model, stages: list[ServingStage], pconfig: ParallelConfig, threads: int = 1,
-                 balancer: OnlineBalancer | None = None, recorder: ExpertLoadRecorder | None = None):
-        super().__init__(model, None, stages[0].plan.block_size)
+                 balancer: OnlineBalancer | None = None, recorder: ExpertLoadRecorder | None = None,
+                 return_hidden: bool = False):
+        super().__init__(model, None, stages[0].plan.block_size, return_hidden=return_hidden)
         self.stages, self.pconfig, self.threads = stages, pconfig, threads
         # EPLB (parallel/eplb_serving.py): the balancer reads the recorder's window and hands the workers
         # placement updates with the steps; eplb_bytes_moved sums what their migrations copied
@@ -346,7 +350,8 @@ class ParallelRunner(ModelRunner):
 
     @torch.no_grad()
     def run(self, batch) -> CausalLMOutput:
-        """Run one step on the workers -> CausalLMOutput(logits [S, vocab] fp32, finite), as ModelRunner.run."""
+        """Run one step on the workers -> CausalLMOutput(logits [S, vocab] fp32, finite, hidden [H, hidden] in
+        the model's dtype with return_hidden), as ModelRunner.run."""
         for seq, _ in batch.entries:
             self.encode_images(seq)
         start = time.monotonic()
@@ -355,7 +360,7 @@ class ParallelRunner(ModelRunner):
             header["eplb"] = self.balancer.updates(self.recorder.window, self._steps)
         self._copies = []
         self.last_build_time = time.monotonic() - start
-        logits, finite, seconds, loads = self.group.step(header, flat, features)
+        logits, finite, seconds, loads, hidden = self.group.step(header, flat, features)
         for rank, (forward, collective, resident) in enumerate(seconds):
             self.rank_forward_seconds[rank] += forward
             self.rank_collective_seconds[rank] += collective
@@ -368,7 +373,9 @@ class ParallelRunner(ModelRunner):
         self.rank_offload = [load["offload"] for load in loads]  # memory.offload counters, since the group started
         self._steps += 1
         self.restarts_in_a_row = 0
-        return CausalLMOutput(logits=logits, finite=finite)
+        if hidden is not None:  # sent widened to fp32 (parallel_worker._wire): back to the drafter's dtype, exactly
+            hidden = hidden.to(next(self.model.parameters()).dtype)
+        return CausalLMOutput(logits=logits, finite=finite, hidden=hidden)
 
     def restart(self) -> None:
         """A fresh group with the weights reloaded and empty pools (the engine recomputes every sequence)."""

@@ -20,7 +20,9 @@ the next step). parallel_runner.WorkerGroup starts pp * tp * ep of them; each
               rank applies the step's KDA slot copies and runs its part of the forward; the answer rank
               (the first of the last stage) sends back the logits with its forward and collective
               seconds (parallel/comm.py's timeline) and its resident memory, every other rank those
-              figures alone.
+              figures alone. A step with a hidden_index (the MTP drafter's, docs/design.md §12) also
+              gets those rows of the last hidden state from the answer rank: the last stage holds it,
+              and after each layer's TP all-reduce it is the same on every rank of the stage.
 
 Every rank sees the same tokens, so each EP rank routes all of them: its All-to-All rows duplicate the
 other rank's, which costs compute but not correctness (each rank gets the complete expert sum).
@@ -55,7 +57,8 @@ from latentmoe_lab.parallel.tensor import (TensorParallel, local_config, shard_d
 from latentmoe_lab.serving.pipeline_stage import ServingStage, StageForward, keep_stage
 
 INDEX_FIELDS = ("input_ids", "positions", "query_start", "context_len", "state_slot", "block_table",
-                "slot_mapping", "emit", "image_mask", "decode", "logits_index", "spec_slots")  # spec: verify steps
+                "slot_mapping", "emit", "image_mask", "decode", "logits_index",
+                "spec_slots", "hidden_index")  # speculative decoding: verify steps, the MTP drafter's rows
 BOOL_FIELDS = ("emit", "image_mask", "decode")
 
 
@@ -103,6 +106,12 @@ def resident_bytes() -> int:
 def answer_rank(pconfig: ParallelConfig) -> int:
     """The rank that sends the step's logits to the engine: the first of the last pipeline stage."""
     return coords_rank(pconfig, {"pp": pconfig.pp - 1})
+
+
+def _wire(hidden: torch.Tensor | None):
+    """The hidden rows [H, hidden] as a float32 array for the pipe (numpy has no bf16; widening is exact and
+    the engine narrows them back to the model's dtype), None when the step asked for none."""
+    return None if hidden is None else hidden.float().numpy()
 
 
 def _flat_numel(header: dict) -> int:
@@ -199,6 +208,7 @@ def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: Mode
         comm.timeline = []  # every collective of the forward, for this rank's collective seconds
         stage = stages[comm.mesh.index("pp")]
         model = load_weights(config, weights)
+        model.mtp = None  # the MTP drafter runs in the engine's process, on the engine's copy of the head
         if pconfig.world_size > 1:  # a lone forward process (parallel.forward_process) keeps the whole model
             model = shard_for_serving(model, comm, stage.layers, placement)
         pools = allocate_pools(stage.plan.config, stage.plan)
@@ -275,6 +285,6 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
                 # memory.offload: this rank's host-tier counters since its pools were allocated (offload_tier.py)
                 "offload": pools.stats() if isinstance(pools, OffloadedPools) else None}
         if rank == answer_rank(comm.mesh.pconfig):
-            conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds, load))
+            conn.send(("logits", output.logits.numpy(), output.finite.numpy(), seconds, load, _wire(output.hidden)))
         else:
             conn.send(("seconds", seconds, load))

@@ -2,7 +2,8 @@
 
     stage 0          embeds batch.input_ids, merges the image features, runs its layers, sends x on
     stage s          receives x [1, T, hidden] and the finite flags so far from stage s - 1, runs its layers
-    last stage       then the final norm and the LM head at each sequence's last new token -> logits [S, vocab]
+    last stage       then the final norm and the LM head at each sequence's last new token -> logits [S, vocab],
+                     and with batch.hidden_index those rows of x, before the norm (the MTP drafter's input)
 
 A rank sends to and receives from the rank of the next / previous stage with its own tp and ep
 coordinates (point-to-point on gloo, the group timeout on every receive); inside a stage TP and EP
@@ -106,7 +107,8 @@ class StageForward:
             return None
         last = model.norm(x[:, batch.output_index])  # [1, S, hidden]
         finite.append(all_finite(last))
-        return CausalLMOutput(logits=model.lm_head(last).float()[0], finite=torch.stack(finite))
+        hidden = None if batch.hidden_index is None else x[0, batch.hidden_index]  # as the whole model's forward
+        return CausalLMOutput(logits=model.lm_head(last).float()[0], finite=torch.stack(finite), hidden=hidden)
 
     def _embed(self, batch) -> torch.Tensor:
         """Token embeddings [1, T, hidden] with the image placeholders' rows replaced by batch.image_features."""
