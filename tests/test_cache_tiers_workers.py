@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
-from latentmoe_lab.serving.invariance import recorded_logits
-from latentmoe_lab.serving.planner import allocate_pools, plan_cache, pools_bytes
+from latentmoe_lab.serving.planner import allocate_pools, plan_cache
 from latentmoe_lab.serving.prefix_spill_workers import KDA, ROWS, LocalPoolBlocks, WorkerPoolBlocks
+
+from spill_cases import BLOCK, PARAMS, prompts, serve, spill_service  # noqa: F401
 
 FORWARD_PROCESS = {"forward_process": True}
 OFFLOAD = {"host_cache_bytes": 2_000_000, "hot_rows_per_layer": 40}  # tiny's indexer keeps 32 rows
-BLOCK = 64
-PARAMS = SamplingParams(max_tokens=3)
 
 
 # ------------------------------------------------------------------ memory.offload on worker processes
@@ -64,38 +63,6 @@ def test_without_offload_the_stats_have_no_offload_keys(model):
 
 
 # ------------------------------------------------------------------ the prefix-cache spill on worker processes
-def spill_service(model, prefix_cache=None, parallel=None, prefix=True, kv_cache_dtype="auto",
-                  offload=None) -> ServiceConfig:
-    """As tests/test_prefix_spill.py: 9 blocks and 2 snapshot rows per rank, three 256-token prefixes taking turns
-    (with `offload`, host_cache_bytes sets the blocks)."""
-    data = {"model": {"max_model_len": 512}, "parallel": parallel or {},
-            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
-                       "prefix_snapshot_slots": 2 if prefix else 0, "kv_cache_dtype": kv_cache_dtype,
-                       **({"offload": offload} if offload else {})},
-            "scheduler": {"prefill_chunk_size": 512, "max_batch_size": 4}}
-    if prefix_cache is not None:
-        data["prefix_cache"] = prefix_cache
-    probe = ServiceConfig.from_dict(data)
-    block, slot = pools_bytes(model.config, probe, 1, 0), pools_bytes(model.config, probe, 0, 1)
-    data["memory"]["cache_bytes"] = 3 * slot + 9 * block
-    return ServiceConfig.from_dict(data)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(3)
-    prefixes = [torch.randint(0, 256, (4 * BLOCK,), generator=g).tolist() for _ in range(3)]
-    suffixes = ([1, 2, 3], [4, 5], [9], [7, 8, 9, 10], [11], [3, 3])
-    return [prefixes[i % 3] + suffix for i, suffix in enumerate(suffixes)]
-
-
-def serve(engine, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """One request at a time -> (tokens, the logits rows sampled from, in request and position order)."""
-    with recorded_logits(engine) as rows:
-        outputs = [engine.generate([prompt], PARAMS, use_tqdm=False)[0] for prompt in prompts]
-    return [o.token_ids for o in outputs], [rows[key] for key in sorted(rows)]
-
-
 @pytest.fixture(scope="module")
 def fresh(model, prompts):
     return serve(Engine(model, spill_service(model, prefix=False)), prompts)

@@ -11,41 +11,14 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from latentmoe_lab.server.prom import ServerMetrics
-from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
-from latentmoe_lab.serving.invariance import recorded_logits
-from latentmoe_lab.serving.planner import pools_bytes
+from latentmoe_lab.serving import Engine, ServiceConfig
 from latentmoe_lab.serving.prefix_spill_host import HostTier
 
-PARAMS = SamplingParams(max_tokens=3)
-BLOCK = 64
+from spill_cases import BLOCK, PARAMS, prompts, serve, spill_service  # noqa: F401
 
 
 def service(model, prefix_cache=None, prefix=True, kv_cache_dtype="auto") -> ServiceConfig:
-    data = {"model": {"max_model_len": 512},
-            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
-                       "prefix_snapshot_slots": 2 if prefix else 0, "kv_cache_dtype": kv_cache_dtype},
-            "scheduler": {"prefill_chunk_size": 512, "batch_invariant": True, "max_batch_size": 4}}
-    if prefix_cache is not None:
-        data["prefix_cache"] = prefix_cache
-    probe = ServiceConfig.from_dict(data)
-    block, slot = pools_bytes(model.config, probe, 1, 0), pools_bytes(model.config, probe, 0, 1)
-    data["memory"]["cache_bytes"] = 3 * slot + 9 * block  # 1 running + 2 snapshot rows, 9 blocks (512 tokens + 1)
-    return ServiceConfig.from_dict(data)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(3)
-    prefixes = [torch.randint(0, 256, (4 * BLOCK,), generator=g).tolist() for _ in range(3)]
-    suffixes = ([1, 2, 3], [4, 5], [9], [7, 8, 9, 10], [11], [3, 3])
-    return [prefixes[i % 3] + suffix for i, suffix in enumerate(suffixes)]
-
-
-def serve(engine, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """One request at a time (the device cache is too small to hold two prefixes) -> (tokens, logits rows)."""
-    with recorded_logits(engine) as rows:
-        outputs = [engine.generate([prompt], PARAMS, use_tqdm=False)[0] for prompt in prompts]
-    return [o.token_ids for o in outputs], [rows[key] for key in sorted(rows)]
+    return spill_service(model, prefix_cache, prefix=prefix, kv_cache_dtype=kv_cache_dtype, batch_invariant=True)
 
 
 @pytest.fixture(scope="module")

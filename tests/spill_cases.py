@@ -1,0 +1,46 @@
+"""The shared-prefix workload of the prefix-cache spill tests (test_prefix_spill.py in the engine's process,
+test_cache_tiers_workers.py on worker processes): a device cache of 9 blocks and 2 snapshot rows per rank, and
+three 256-token prefixes taking turns, so every second visit of a prefix finds it spilled."""
+import pytest
+import torch
+
+from latentmoe_lab.serving import SamplingParams, ServiceConfig
+from latentmoe_lab.serving.invariance import recorded_logits
+from latentmoe_lab.serving.planner import pools_bytes
+
+PARAMS = SamplingParams(max_tokens=3)
+BLOCK = 64
+
+
+def spill_service(model, prefix_cache=None, parallel=None, prefix=True, kv_cache_dtype="auto", offload=None,
+                  batch_invariant=False) -> ServiceConfig:
+    """1 running + 2 snapshot rows and 9 blocks (512 tokens + 1) per rank; with `offload`, host_cache_bytes sets
+    the blocks' latent rows."""
+    data = {"model": {"max_model_len": 512}, "parallel": parallel or {},
+            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
+                       "prefix_snapshot_slots": 2 if prefix else 0, "kv_cache_dtype": kv_cache_dtype,
+                       **({"offload": offload} if offload else {})},
+            "scheduler": {"prefill_chunk_size": 512, "batch_invariant": batch_invariant, "max_batch_size": 4}}
+    if prefix_cache is not None:
+        data["prefix_cache"] = prefix_cache
+    probe = ServiceConfig.from_dict(data)
+    block, slot = pools_bytes(model.config, probe, 1, 0), pools_bytes(model.config, probe, 0, 1)
+    data["memory"]["cache_bytes"] = 3 * slot + 9 * block
+    return ServiceConfig.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Six requests: three 4-block prefixes in turn, each with a short suffix of its own."""
+    g = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(0, 256, (4 * BLOCK,), generator=g).tolist() for _ in range(3)]
+    suffixes = ([1, 2, 3], [4, 5], [9], [7, 8, 9, 10], [11], [3, 3])
+    return [prefixes[i % 3] + suffix for i, suffix in enumerate(suffixes)]
+
+
+def serve(engine, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """One request at a time (the device cache is too small to hold two prefixes) -> (tokens, the logits rows
+    sampled from, in request and position order)."""
+    with recorded_logits(engine) as rows:
+        outputs = [engine.generate([prompt], PARAMS, use_tqdm=False)[0] for prompt in prompts]
+    return [o.token_ids for o in outputs], [rows[key] for key in sorted(rows)]
