@@ -176,67 +176,55 @@ class WorkerGroup:
         alone, each on its own pipe once its part of the step is done; the step returns when all of them
         have arrived.
         """
-        if not self.conns:
-            raise self._failure("the group was killed after an earlier failure")
-        try:
-            self.conns[0].send((header, flat.numpy(), None if features is None else features.numpy()))
-        except OSError as error:
-            raise self._failure(f"rank 0 cannot take the step ({error})") from None
         # a hung rank makes its peers' collectives time out, and they report it; this deadline is the
         # backstop for a group that stops answering as a whole (a whole step may outlast one collective)
-        deadline = time.monotonic() + (self.pconfig.pp + 1) * self.pconfig.timeout_s
-        answer, seconds, loads = None, {}, {}
-        while answer is None or len(seconds) < len(self.conns):
-            ready = wait(self.conns + [p.sentinel for p in self.processes],
-                         timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise self._failure(f"no answer within {self.pconfig.pp + 1} group timeouts "
-                                    f"({self.pconfig.timeout_s}s each)")
-            for rank, conn in enumerate(self.conns):
-                if conn not in ready:
-                    continue
-                reply = self._receive(rank)
-                if reply is not None and reply[0] == "logits" and rank == self.answer_rank:
-                    answer, seconds[rank], loads[rank] = reply, reply[3], reply[4]
-                elif reply is not None and reply[0] == "seconds":
-                    seconds[rank], loads[rank] = reply[1], reply[2]
-                else:
-                    raise self._failure(f"rank {rank} failed the step", reply)
-            dead = [r for r, p in enumerate(self.processes) if p.sentinel in ready]
-            if dead:
-                raise self._failure(f"rank {dead[0]} failed the step")
-        ranks = range(len(self.conns))
-        return (torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), [seconds[r] for r in ranks],
-                [loads[r] for r in ranks], None if answer[5] is None else torch.from_numpy(answer[5]))
+        replies = self._collect((header, flat.numpy(), None if features is None else features.numpy()), "step",
+                                (self.pconfig.pp + 1) * self.pconfig.timeout_s,
+                                lambda rank, kind: kind == ("logits" if rank == self.answer_rank else "seconds"))
+        answer = replies[self.answer_rank]
+        seconds = [answer[3] if rank == self.answer_rank else reply[1] for rank, reply in enumerate(replies)]
+        loads = [answer[4] if rank == self.answer_rank else reply[2] for rank, reply in enumerate(replies)]
+        return (torch.from_numpy(answer[1]), torch.from_numpy(answer[2]), seconds, loads,
+                None if answer[5] is None else torch.from_numpy(answer[5]))
 
     def exchange_rows(self, header: dict) -> list[dict[str, torch.Tensor]]:
         """A "read_rows" or "write_rows" message of a prefill -> decode transfer (parallel_worker.exchange_rows)
         -> every rank's answer {name: tensor} in rank order (empty for a write). WorkerGroupError on any failure."""
         from latentmoe_lab.serving.disagg.pool_rows import rows_from_wire
 
+        replies = self._collect((header, None, None), header["kind"], self.pconfig.timeout_s,
+                                lambda rank, kind: kind == "rows")
+        return [rows_from_wire(reply[1]) for reply in replies]
+
+    def _collect(self, message: tuple, what: str, timeout_s: float, expected) -> list:
+        """Send `message` to rank 0 (it hands it to the group) -> every rank's one reply, in rank order.
+
+        expected(rank, kind) says whether a reply of that kind is the one rank owes; anything else, a rank that
+        dies, or no full set of replies within timeout_s: WorkerGroupError (the group is killed).
+        """
         if not self.conns:
             raise self._failure("the group was killed after an earlier failure")
         try:
-            self.conns[0].send((header, None, None))
+            self.conns[0].send(message)
         except OSError as error:
-            raise self._failure(f"rank 0 cannot take the {header['kind']} ({error})") from None
-        deadline = time.monotonic() + self.pconfig.timeout_s
-        rows: dict[int, dict] = {}
-        while len(rows) < len(self.conns):
+            raise self._failure(f"rank 0 cannot take the {what} ({error})") from None
+        deadline = time.monotonic() + timeout_s
+        replies: dict[int, tuple] = {}
+        while len(replies) < len(self.conns):
             ready = wait(self.conns + [p.sentinel for p in self.processes],
                          timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise self._failure(f"no answer to {header['kind']} within the group timeout "
-                                    f"({self.pconfig.timeout_s}s)")
+                raise self._failure(f"no answer to the {what} within {timeout_s:g}s")
             for rank, conn in enumerate(self.conns):
                 if conn in ready:
                     reply = self._receive(rank)
-                    if reply is None or reply[0] != "rows":
-                        raise self._failure(f"rank {rank} failed {header['kind']}", reply)
-                    rows[rank] = rows_from_wire(reply[1])
-            if any(p.sentinel in ready for p in self.processes):
-                raise self._failure(f"a rank died during {header['kind']}")
-        return [rows[rank] for rank in range(len(self.conns))]
+                    if reply is None or not expected(rank, reply[0]):
+                        raise self._failure(f"rank {rank} failed the {what}", reply)
+                    replies[rank] = reply
+            dead = [r for r, p in enumerate(self.processes) if p.sentinel in ready]
+            if dead:
+                raise self._failure(f"rank {dead[0]} failed the {what}")
+        return [replies[rank] for rank in range(len(self.conns))]
 
     def _receive(self, rank: int):
         """Rank's next message, or None when its pipe is closed (the process died without a word)."""
