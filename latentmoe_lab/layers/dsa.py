@@ -34,6 +34,7 @@ from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.layers.packed import check_sequence_start
 from latentmoe_lab.ops.activations import sigmoid
 from latentmoe_lab.ops.sparse_attention import dense_causal_attention, sparse_attention
+from latentmoe_lab.ops.sparse_attention_masked import masked_form_pays, masked_sparse_attention
 from latentmoe_lab.paged_pools import DSAPool
 
 
@@ -215,12 +216,19 @@ class GatedDSA(nn.Module):
             keys = torch.arange(k.shape[1], device=q.device)
             query_pos = torch.arange(q.shape[1], device=q.device)[:, None] + offset
             visible = (keys >= first_key[..., None]) & (keys <= query_pos)  # [B, T, S]
-            return sparse_attention(q, k, v, torch.where(visible, keys, -1), scale=self.scale)
+            return self._sparse_attend(q, k, v, torch.where(visible, keys, -1))
         if dense:
             return dense_causal_attention(q, k, v, scale=self.scale, offset=offset)
-        blocks = [sparse_attention(q[:, start:stop], k, v, indices, scale=self.scale)
+        blocks = [self._sparse_attend(q[:, start:stop], k, v, indices)
                   for start, stop, indices in self._select_blocks(x, c_q, index_keys, offset, first_key)]
         return torch.cat(blocks, dim=1) if blocks else q.new_zeros(*q.shape[:3], v.shape[-1])
+
+    def _sparse_attend(self, q, k, v, indices):
+        """sparse_attention over indices [B, T, kk]; with few keys (training rows, short prompts) its masked twin,
+        which scores every key with one product instead of gathering kk rows per query."""
+        if masked_form_pays(k.shape[1], indices.shape[-1]):
+            return masked_sparse_attention(q, k, v, indices, scale=self.scale)
+        return sparse_attention(q, k, v, indices, scale=self.scale)
 
     def _select_blocks(self, x, c_q, index_keys, offset, first_key):
         """(start, stop, positions) per block of query_block queries: LightningIndexer.select_blocks (recorded

@@ -33,6 +33,7 @@ _ORIGINAL = {
     (moe_layer, "grouped_experts_fit"): moe_layer.grouped_experts_fit,
     (indexer_layer, "index_topk"): indexer_layer.index_topk,
     (dsa_layer, "sparse_attention"): dsa_layer.sparse_attention,
+    (dsa_layer, "masked_form_pays"): dsa_layer.masked_form_pays,
 }
 
 
@@ -87,6 +88,12 @@ def _index_topk(q_idx, k_idx, w, k, offset=0, first_key=None, backend="auto"):
     return OPS["index_topk"](q_idx, k_idx, w, k, offset)
 
 
+def _masked_form_pays(num_keys, slots):
+    """Never: scoring every key under a mask (ops/sparse_attention_masked.py) is a CPU kernel choice, so a ported
+    model attends through latentmoe.sparse_attention at every length."""
+    return False
+
+
 def _sparse_attention(q, k, v, indices, scale=None, backend="auto"):
     return OPS["sparse_attention"](q, k, v, indices, q.shape[-1] ** -0.5 if scale is None else float(scale))
 
@@ -100,6 +107,7 @@ _WRAPPERS = {
     (moe_layer, "grouped_experts_fit"): _grouped_experts_fit,
     (indexer_layer, "index_topk"): _index_topk,
     (dsa_layer, "sparse_attention"): _sparse_attention,
+    (dsa_layer, "masked_form_pays"): _masked_form_pays,
 }
 
 
