@@ -139,8 +139,13 @@ def component_split(model, step, ids, steps: int) -> dict:
     return {key: value / total for key, value in split.items()}
 
 
-def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_rows: int) -> dict:
-    """Held-out bits/byte against wall time, mini then dense, `minutes` each on the stdlib corpus."""
+def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_rows: int,
+            step_s: dict[str, float]) -> dict:
+    """Held-out bits/byte against wall time, mini then dense, `minutes` each on the stdlib corpus.
+
+    step_s: each model's median step time from the speed run; a run's warm-up + cosine schedule is sized to
+    the steps that fit in `minutes` at that pace, as `train --steps N` sizes it, so both end their decay.
+    """
     from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
 
     corpus = load_corpus(None, 0.02, verbose=False)
@@ -150,11 +155,12 @@ def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_
     out = {}
     for name in ("mini", "dense"):
         # the schedule is set for the step count the speed run predicts; the clock ends the run
+        total_steps = max(mini_defaults["warmup"] + 1, round(minutes * 60 / step_s[name]))
         if name == "mini":
-            model, step = mini_trainer(config, mini_defaults["lr"], mini_defaults["warmup"], 10 ** 9)
+            model, step = mini_trainer(config, mini_defaults["lr"], mini_defaults["warmup"], total_steps)
             evaluate = lambda: heldout_bits_per_byte(lambda ids: model(ids, labels=ids).loss, picked)  # noqa: E731
         else:
-            model, step = dense_trainer(config, seq_len, 1e-3, mini_defaults["warmup"], 10 ** 9)
+            model, step = dense_trainer(config, seq_len, 1e-3, mini_defaults["warmup"], total_steps)
             evaluate = lambda: heldout_bits_per_byte(model.loss, picked)  # noqa: E731
         curve, trained, started, number = [], 0.0, time.perf_counter(), 0
         checkpoints = [minutes * 60 * k / 4 for k in (1, 2, 3, 4)]
@@ -172,6 +178,7 @@ def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_
                 print(f"  {name}: {trained / 60:.1f} min, {number} steps, held-out {curve[-1]['bits_per_byte']:.3f} "
                       f"bits/byte", flush=True)
         out[name] = curve
+        out[f"{name}_schedule_steps"] = total_steps
     out["mini_over_dense"] = out["mini"][-1]["bits_per_byte"] / out["dense"][-1]["bits_per_byte"]
     return out
 
@@ -195,7 +202,8 @@ def main() -> None:
     load_before = os.getloadavg()
     result = {"speed": speed(config, args.batch, args.seq_len, args.steps, args.split)}
     if args.minutes > 0:
-        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows)
+        step_s = {name: result["speed"][name]["step_s"] for name in ("mini", "dense")}
+        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows, step_s)
     result["machine"] = machine_info(quick=args.quick, loadavg_before=load_before, loadavg_after=os.getloadavg())
     report(result)
     print(f"results: {write_json(__file__, result, out=args.out)}")
