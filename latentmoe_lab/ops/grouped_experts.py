@@ -31,11 +31,10 @@ from latentmoe_lab.ops import routing
 
 def fits(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """This path applies: plain CPU tensors (no DTensor), fp32 / bf16 of one dtype, rows of 16-byte multiples
-    (torch._grouped_mm's rule), and no torch.compile trace in progress: _grouped_mm's fake-tensor rule takes
-    bf16 only, so a compiled model traces the tiled path instead. (Checked here rather than with
-    @torch.compiler.disable, which imports torch._dynamo and with it triton when this module loads.)"""
+    (torch._grouped_mm's rule). Under torch.compile the path runs as an opaque custom op (see
+    grouped_swiglu_experts): _grouped_mm's own fake-tensor rule takes bf16 only."""
     plain = all(isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor" for t in (z, w13, w2))
-    return (plain and not torch.compiler.is_compiling() and z.device.type == "cpu" and hasattr(torch, "_grouped_mm")
+    return (plain and z.device.type == "cpu" and hasattr(torch, "_grouped_mm")
             and z.dtype in (torch.float32, torch.bfloat16)
             and z.dtype == w13.dtype == w2.dtype
             and all(size * z.element_size() % 16 == 0 for size in (w13.shape[1], w13.shape[2], w2.shape[1])))
@@ -79,6 +78,33 @@ def expert_tiles(counts: list[int], tile_rows: int) -> list[tuple[int, int, int,
     return tiles
 
 
+def _forward_tiles(z, w13, w2, offsets, tiles, clamp) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """y [M, l] and each tile's pre-activation [rows, 2F] (kept for the backward)."""
+    pieces, pres = [], []
+    for first, stop, row, rows in tiles:
+        offs = offsets[first:stop]
+        pre = torch._grouped_mm(z[row:row + rows], w13[first:stop], offs=offs)
+        pieces.append(torch._grouped_mm(_activation(pre, clamp), w2[first:stop], offs=offs))
+        pres.append(pre)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)), pres
+
+
+def _backward_tiles(grad_y, z, w13, w2, offsets, tiles, clamp, pres, need_w13: bool = True, need_w2: bool = True):
+    """(grad z [M, l], grad w13 [E, l, 2F] or None, grad w2 [E, F, l] or None) from grad_y [M, l]."""
+    grad_y = grad_y.contiguous()
+    grad_z, grad_w13, grad_w2 = [], [], []
+    for (first, stop, row, rows), pre in zip(tiles, pres):
+        offs, grad_y_tile, tile_w13, tile_w2 = offsets[first:stop], grad_y[row:row + rows], w13[first:stop], w2[first:stop]
+        grad_pre = _activation_backward(pre, torch._grouped_mm(grad_y_tile, tile_w2.transpose(1, 2), offs=offs), clamp)
+        if need_w2:
+            grad_w2.append(torch._grouped_mm(_activation(pre, clamp).t(), grad_y_tile, offs=offs))
+        if need_w13:
+            grad_w13.append(torch._grouped_mm(z[row:row + rows].t(), grad_pre, offs=offs))
+        grad_z.append(torch._grouped_mm(grad_pre, tile_w13.transpose(1, 2), offs=offs))
+    join = lambda parts: None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+    return join(grad_z), join(grad_w13), join(grad_w2)
+
+
 class _GroupedSwiGLUExperts(torch.autograd.Function):
     """z [M, l] expert-major, w13 [E, l, 2F], w2 [E, F, l] -> [M, l]; tiles from `expert_tiles`, offsets [E]
     int32 end offsets of each expert's rows inside its tile. Tiles end at expert boundaries, so each weight
@@ -86,32 +112,26 @@ class _GroupedSwiGLUExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, w13, w2, offsets, tiles, clamp):
-        pieces, saved = [], []
-        for first, stop, row, rows in tiles:
-            offs = offsets[first:stop]
-            pre = torch._grouped_mm(z[row:row + rows], w13[first:stop], offs=offs)
-            pieces.append(torch._grouped_mm(_activation(pre, clamp), w2[first:stop], offs=offs))
-            saved.append(pre)
-        ctx.save_for_backward(z, w13, w2, offsets, *saved)
+        y, pres = _forward_tiles(z, w13, w2, offsets, tiles, clamp)
+        ctx.save_for_backward(z, w13, w2, offsets, *pres)
         ctx.tiles, ctx.clamp = tiles, clamp
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        z, w13, w2, offsets, *saved = ctx.saved_tensors
-        grad_y = grad_y.contiguous()
-        grad_z, grad_w13, grad_w2 = [], [], []
-        for (first, stop, row, rows), pre in zip(ctx.tiles, saved):
-            offs, grad_y_tile, tile_w13, tile_w2 = offsets[first:stop], grad_y[row:row + rows], w13[first:stop], w2[first:stop]
-            grad_pre = _activation_backward(pre, torch._grouped_mm(grad_y_tile, tile_w2.transpose(1, 2), offs=offs),
-                                            ctx.clamp)
-            if ctx.needs_input_grad[2]:
-                grad_w2.append(torch._grouped_mm(_activation(pre, ctx.clamp).t(), grad_y_tile, offs=offs))
-            if ctx.needs_input_grad[1]:
-                grad_w13.append(torch._grouped_mm(z[row:row + rows].t(), grad_pre, offs=offs))
-            grad_z.append(torch._grouped_mm(grad_pre, tile_w13.transpose(1, 2), offs=offs))
-        join = lambda parts: None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
-        return join(grad_z), join(grad_w13), join(grad_w2), None, None, None
+        z, w13, w2, offsets, *pres = ctx.saved_tensors
+        grads = _backward_tiles(grad_y, z, w13, w2, offsets, ctx.tiles, ctx.clamp, pres,
+                                ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        return *grads, None, None, None
+
+
+def _plan(counts: torch.Tensor) -> tuple[list[tuple[int, int, int, int]], torch.Tensor]:
+    """counts [E] -> (tiles of `expert_tiles`, int32 end offsets of each expert's rows inside its tile)."""
+    host_counts = counts.tolist()
+    tiles = expert_tiles(host_counts, routing.CPU_TILE_ROWS)
+    offsets = torch.tensor([end for first, stop, _, _ in tiles for end in accumulate(host_counts[first:stop])],
+                           dtype=torch.int32)
+    return tiles, offsets
 
 
 def grouped_swiglu_experts(z: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -119,6 +139,8 @@ def grouped_swiglu_experts(z: torch.Tensor, counts: torch.Tensor, w13: torch.Ten
     """Expert_e(z_r) for every expert-major row: z [M, l], counts [E] int, w13 [E, l, 2F], w2 [E, F, l] -> [M, l].
 
     Rows counts[:e].sum() : counts[:e+1].sum() go to expert e (the LatentExperts contract). Needs `fits`.
+    Under torch.compile the same kernels run as one opaque custom op (`latentmoe::grouped_swiglu_experts`):
+    the host-side tiling reads the counts, which a graph cannot.
     """
     if z.dim() != 2 or w13.dim() != 3 or w13.shape[1] != z.shape[1] or w13.shape[2] % 2:
         raise ValueError(f"z, w13: expected z [M, l] and w13 [E, l, 2F], got {tuple(z.shape)} and {tuple(w13.shape)}")
@@ -128,10 +150,56 @@ def grouped_swiglu_experts(z: torch.Tensor, counts: torch.Tensor, w13: torch.Ten
     if not fits(z, w13, w2):
         raise ValueError("z: grouped_swiglu_experts needs CPU fp32/bf16 tensors of one dtype and rows of 16-byte "
                          "multiples (see fits)")
+    if torch.compiler.is_compiling():  # the counts check runs inside the op, on the real tensors
+        return torch.ops.latentmoe.grouped_swiglu_experts(z, counts, w13, w2, clamp)[0]
     routing.check_grouped_args(z, w13, counts.cumsum(0))
-    host_counts = counts.tolist()
-    tiles = expert_tiles(host_counts, routing.CPU_TILE_ROWS)
-    # each expert's end offset inside its tile
-    offsets = torch.tensor([end for first, stop, _, _ in tiles for end in accumulate(host_counts[first:stop])],
-                           dtype=torch.int32)
+    tiles, offsets = _plan(counts)
     return _GroupedSwiGLUExperts.apply(z, w13, w2, offsets, tiles, clamp)
+
+
+# ---- the same computation as a torch.library custom op: opaque to torch.compile, differentiable through AOT
+# autograd (register_autograd), with fake rules that give the output shapes without reading the counts.
+
+@torch.library.custom_op("latentmoe::grouped_swiglu_experts", mutates_args=())
+def _experts_op(z: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                clamp: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (y [M, l], the pre-activation [M, 2F] that the backward reads)."""
+    routing.check_grouped_args(z, w13, counts.cumsum(0))
+    tiles, offsets = _plan(counts)
+    y, pres = _forward_tiles(z, w13, w2, offsets, tiles, clamp)
+    return y, pres[0] if len(pres) == 1 else torch.cat(pres)
+
+
+@_experts_op.register_fake
+def _(z, counts, w13, w2, clamp):
+    return z.new_empty(z.shape), z.new_empty(z.shape[0], w13.shape[2])
+
+
+@torch.library.custom_op("latentmoe::grouped_swiglu_experts_backward", mutates_args=())
+def _experts_backward_op(grad_y: torch.Tensor, z: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, pre: torch.Tensor, clamp: float | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (grad z [M, l], grad w13 [E, l, 2F], grad w2 [E, F, l])."""
+    tiles, offsets = _plan(counts)
+    pres = [pre[row:row + rows] for _, _, row, rows in tiles]
+    return _backward_tiles(grad_y, z, w13, w2, offsets, tiles, clamp, pres)
+
+
+@_experts_backward_op.register_fake
+def _(grad_y, z, counts, w13, w2, pre, clamp):
+    return torch.empty_like(z), torch.empty_like(w13), torch.empty_like(w2)
+
+
+def _experts_setup_context(ctx, inputs, output):
+    z, counts, w13, w2, clamp = inputs
+    ctx.save_for_backward(z, counts, w13, w2, output[1])
+    ctx.clamp = clamp
+
+
+def _experts_op_backward(ctx, grad_y, _grad_pre):
+    z, counts, w13, w2, pre = ctx.saved_tensors
+    grad_z, grad_w13, grad_w2 = _experts_backward_op(grad_y, z, counts, w13, w2, pre, ctx.clamp)
+    return grad_z, None, grad_w13, grad_w2, None
+
+
+_experts_op.register_autograd(_experts_op_backward, setup_context=_experts_setup_context)

@@ -104,6 +104,18 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
                        decays: ChunkDecays) -> tuple[torch.Tensor, torch.Tensor]:
     """Aqk (j <= i) and diag(beta) A (j < i) of every chunk: [..., C, K] inputs, beta [..., C] -> two [..., C, C].
 
+    Under torch.compile the data-dependent halving below (which blocks are safe decides the work) cannot be
+    a graph: it runs as one opaque custom op, `latentmoe::kda_intra_chunk_scores`, the same code and bits.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.latentmoe.kda_intra_chunk_scores(q, k, beta, decays.g)
+    return _intra_chunk_scores(q, k, beta, decays)
+
+
+def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
+                        decays: ChunkDecays) -> tuple[torch.Tensor, torch.Tensor]:
+    """`intra_chunk_scores`, eager:
+
     Both are sum_d row_id k_jd exp(Gamma_id - Gamma_jd), with row = q for Aqk and beta k for A. A block
     of positions [a, b) takes all its pairs in one matrix product, factored through its start:
         row_i exp(Gamma_i - Gamma_a)  .  k_j / exp(Gamma_j - Gamma_a)
@@ -147,6 +159,56 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
                 pending.append((ids[~safe], start + first, stop - first))
     attn = attn.reshape(*lead, 2, chunk, chunk)
     return attn[..., 0, :, :], attn[..., 1, :, :]
+
+
+# ---- the custom op: forward and backward opaque to torch.compile, fake rules give the [..., C, C] shapes.
+# Its backward recomputes the forward with autograd on (the halving's graph is only known at run time), so a
+# compiled step pays the intra-chunk scores twice; the eager path keeps its one forward.
+
+@torch.library.custom_op("latentmoe::kda_intra_chunk_scores", mutates_args=())
+def _scores_op(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    attn_qk, attn_kk = _intra_chunk_scores(q, k, beta, ChunkDecays(g))
+    return attn_qk.clone(), attn_kk.clone()  # (views of one buffer; a custom op's outputs may not alias)
+
+
+@_scores_op.register_fake
+def _(q, k, beta, g):
+    shape = (*q.shape[:-1], q.shape[-2])
+    return q.new_empty(shape), q.new_empty(shape)
+
+
+@torch.library.custom_op("latentmoe::kda_intra_chunk_scores_backward", mutates_args=())
+def _scores_backward_op(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                        grad_qk: torch.Tensor, grad_kk: torch.Tensor) -> list[torch.Tensor]:
+    inputs = [t.detach().requires_grad_() for t in (q, k, beta, g)]
+    # A custom op's kernel runs with autograd's dispatch keys excluded; the recompute needs them back.
+    below_autograd = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         below_autograd.remove(torch._C.DispatchKey.AutogradCPU)), torch.enable_grad():
+        outputs = _intra_chunk_scores(*inputs[:3], ChunkDecays(inputs[3]))
+        grads = torch.autograd.grad(outputs, inputs, (grad_qk, grad_kk), allow_unused=True)
+    return [torch.zeros_like(t) if grad is None else grad for t, grad in zip(inputs, grads)]
+
+
+@_scores_backward_op.register_fake
+def _(q, k, beta, g, grad_qk, grad_kk):
+    return [torch.empty_like(t) for t in (q, k, beta, g)]
+
+
+def _scores_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _scores_op_backward(ctx, grad_qk, grad_kk):
+    q, k, beta, g = ctx.saved_tensors
+    shape = (*q.shape[:-1], q.shape[-2])
+    grad_qk = q.new_zeros(shape) if grad_qk is None else grad_qk
+    grad_kk = q.new_zeros(shape) if grad_kk is None else grad_kk
+    return tuple(_scores_backward_op(q, k, beta, g, grad_qk.contiguous(), grad_kk.contiguous()))
+
+
+_scores_op.register_autograd(_scores_op_backward, setup_context=_scores_setup_context)
 
 
 def _grown_scores(rows: torch.Tensor, keys: torch.Tensor, g: torch.Tensor,

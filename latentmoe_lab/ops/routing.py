@@ -58,7 +58,10 @@ def _check_routing_args(logits, top_k, bias, n_group, topk_group) -> None:
             raise ValueError(f"bias: expected shape ({num_experts},) [E], got {shape}")
         if not bias.is_floating_point():
             raise TypeError(f"bias: expected a floating dtype, got {bias.dtype}")
-    if torch.isnan(logits).any():
+    # A data-dependent branch, which would split a compiled graph. Under torch.compile (the compiled training
+    # step, compiled.py) it is redundant: NaN logits make the loss non-finite, and the training loop then replays
+    # the step eagerly under the NonFiniteGuard, which runs this check and names the layer.
+    if not torch.compiler.is_compiling() and torch.isnan(logits).any():
         raise ValueError("logits: contains NaN")
 
 
@@ -146,9 +149,22 @@ def check_expert_indices(indices: torch.Tensor, num_experts: int, dims: int, lay
         raise TypeError(f"indices: expected an integer dtype, got {indices.dtype}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: must be a positive integer, got {num_experts!r}")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_experts):
+    # Under torch.compile the range check (two host syncs) is skipped: there indices come from a topk over E
+    # columns (LatentMoE.forward), in range by construction; every eager call still checks.
+    if indices.numel() and not torch.compiler.is_compiling() and (
+            int(indices.min()) < 0 or int(indices.max()) >= num_experts):
         raise ValueError(f"indices: values must lie in [0, num_experts={num_experts}), "
                          f"got range [{int(indices.min())}, {int(indices.max())}]")
+
+
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed pairs per expert: indices (any shape, values in [0, E)) -> [E] int64.
+
+    bincount's output length depends on the largest index (a data-dependent shape that splits a compiled
+    graph); a scatter-add into E zeros has a static shape and the same exact integer counts.
+    """
+    flat = indices.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def plan_dispatch(indices: torch.Tensor, num_experts: int) -> DispatchPlan:
@@ -156,7 +172,7 @@ def plan_dispatch(indices: torch.Tensor, num_experts: int) -> DispatchPlan:
     check_expert_indices(indices, num_experts, 2, "[N, K]")
     flat = indices.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     return DispatchPlan(order=order, token_index=order // indices.shape[1], counts=counts,
                         offsets=counts.cumsum(0), top_k=indices.shape[1])
 

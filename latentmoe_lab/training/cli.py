@@ -70,6 +70,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--mtp-depth", type=int,
                         help="train a multi-token prediction head of this many depths with the model (default: 0)")
     parser.add_argument("--mtp-weight", type=float, help="weight of the MTP loss in the objective (default: 0.3)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the training step per block (inductor; minutes of compilation "
+                             "first; see RESULTS.md for when it pays). Default: eager")
     parser.add_argument("--no-guard", action="store_true", default=None,
                         help="do not check activations and gradients for NaN/inf")
     native = parser.add_argument_group(
@@ -107,7 +110,7 @@ def settings_from_args(args: argparse.Namespace, recorded: dict | None = None) -
     for name, default in PRESET_DEFAULTS[chosen["preset"]].items():
         chosen[name] = default if chosen[name] is None else chosen[name]
     return TrainSettings(stop_at=args.stop_at, out=args.out, resume=args.resume, nproc=_nproc(args),
-                         threads=args.threads, group_timeout_s=args.group_timeout,
+                         threads=args.threads, group_timeout_s=args.group_timeout, compile=args.compile,
                          allow_changed_flags=args.allow_changed_flags, **chosen)
 
 
@@ -144,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if layout is not None and settings.mtp_depth:
         raise ValueError("--mtp-depth: only the plain run trains an MTP head (torch's engine partitions the main "
                          "layers; leave out --fsdp/--ep/--tp/--pp)")
+    if layout is not None and settings.compile:
+        raise ValueError("--compile: only the plain run (leave out --fsdp/--ep/--tp/--pp)")
     if layout is None and args.init_from is not None:
         raise ValueError("init_from: only with --fsdp/--ep/--tp/--pp > 1 (the plain run starts from --seed)")
     if args.init_from is not None and not Path(args.init_from).is_dir():

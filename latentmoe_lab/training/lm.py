@@ -84,6 +84,7 @@ class TrainSettings:
     allow_changed_flags: bool = False  # resume: apply changed MATH_SETTINGS (training/resume.py) instead of refusing
     mtp_depth: int = 0  # MTP head depths trained with the model (0: the config's own, none in the presets)
     mtp_weight: float = 0.3  # the MTP loss's weight in the objective
+    compile: bool = False  # torch.compile the training forward + backward per region (compiled.compile_training)
 
     def model_config(self) -> ModelConfig:
         config = ModelConfig.from_dict(self.config) if self.config is not None else ModelConfig.from_preset(self.preset)
@@ -216,6 +217,10 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
     moe_layers = _moe_layers(model)
     load_recorder = ExpertLoadRecorder(len(moe_layers), config.moe.num_experts, settings.eval_every)
     # Only the model is prepared: accelerate's scheduler wrapper would step once per process.
+    if settings.compile:
+        from latentmoe_lab.compiled import compile_training
+
+        compile_training(model)  # before DDP wraps it: the regions are the model's own blocks
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
 
@@ -232,8 +237,10 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         accelerator.backward(total)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip)
         if settings.guard and not (torch.isfinite(total.detach()) and torch.isfinite(grad_norm)):
-            replay_with_guard(inner, lambda: _loss_of(inner(ids, labels=ids), settings.mtp_weight).backward(),
-                              step + 1)
+            # eager, so that the guard's hooks see every module (and the routing checks run)
+            with torch.compiler.set_stance("force_eager"):
+                replay_with_guard(inner, lambda: _loss_of(inner(ids, labels=ids), settings.mtp_weight).backward(),
+                                  step + 1)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
