@@ -31,6 +31,7 @@ from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.kda_decode import kda_decode_step_
 from latentmoe_lab.ops.norms import l2_norm
 from latentmoe_lab.ops.precision import at_least_fp32
+from latentmoe_lab.ops.short_conv import causal_depthwise_conv, causal_depthwise_conv_plain
 from latentmoe_lab.paged_pools import KDAPool
 
 # Initial per-step decay rate dt = softplus(dt_bias), log-uniform in this range (as in Mamba):
@@ -47,14 +48,17 @@ class KimiDeltaAttention(nn.Module):
     """KDA token mixer. forward(x [B, T, hidden], cache) -> [B, T, hidden].
 
     paged_decode (attribute): how the paged path runs its decodes, "fused" (default, in place) or
-    "recurrent" (the reference op on a gathered copy); see `_decode_step_`.
+    "recurrent" (the reference op on a gathered copy); see `_decode_step_`. short_conv_form (attribute): the
+    contiguous path's short conv, "shifted" (default) or its F.conv1d twin "conv1d"; see `_short_conv`.
     """
 
     PAGED_DECODES = ("fused", "recurrent")
+    SHORT_CONV_FORMS = ("shifted", "conv1d")
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.paged_decode = "fused"
+        self.short_conv_form = "shifted"
         kda = config.kda
         hidden = config.hidden_size
         self.num_heads = kda.num_heads
@@ -167,21 +171,27 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(rearrange(out, "b t h d -> b t (h d)"))
 
     def _short_conv(self, qkv: torch.Tensor, cache: KDALayerCache | None) -> torch.Tensor:
-        """Depthwise causal conv over [B, T, channels]; the kernel-1 tail comes from / goes to the cache."""
+        """Depthwise causal conv over [B, T, channels]; the kernel-1 tail comes from / goes to the cache.
+
+        short_conv_form (attribute): "shifted" (default, ops/short_conv.py) or "conv1d" (its F.conv1d twin).
+        """
+        if self.short_conv_form not in self.SHORT_CONV_FORMS:
+            raise ValueError(f"short_conv_form: expected one of {self.SHORT_CONV_FORMS}, got {self.short_conv_form!r}")
         batch = qkv.shape[0]
         history = self.conv_kernel - 1
-        channels_first = rearrange(qkv, "b t c -> b c t")
         tail = None if cache is None else cache.conv_state
         if tail is None:
-            tail = channels_first.new_zeros(batch, self.conv_channels, history)
+            padded = F.pad(qkv, (0, 0, history, 0))
         elif tail.shape != (batch, self.conv_channels, history):
             raise ValueError(f"cache.conv_state: expected shape [B, channels, kernel-1] = "
                              f"{(batch, self.conv_channels, history)}, got {tuple(tail.shape)}")
-        padded = torch.cat([tail.to(channels_first.dtype), channels_first], dim=-1)
+        else:
+            padded = torch.cat([rearrange(tail, "b c j -> b j c").to(qkv.dtype), qkv], dim=1)
         if cache is not None:
-            # clone: a view would keep the whole prefill buffer alive
-            cache.conv_state = padded[..., padded.shape[-1] - history:].clone()
-        return rearrange(self.conv(padded), "b c t -> b t c")
+            # a copy: a view would keep the whole prefill buffer alive
+            cache.conv_state = rearrange(padded[:, padded.shape[1] - history:], "b j c -> b c j").contiguous()
+        conv = causal_depthwise_conv if self.short_conv_form == "shifted" else causal_depthwise_conv_plain
+        return conv(padded, self.conv.weight[:, 0, :])
 
     def _short_conv_packed(self, qkv: torch.Tensor, sequence_start: torch.Tensor) -> torch.Tensor:
         """The causal conv of `_short_conv` over [B, T, channels], with taps before a token's sequence_start zeroed."""

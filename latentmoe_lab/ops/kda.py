@@ -38,6 +38,7 @@ from einops import einsum, rearrange
 
 from latentmoe_lab.ops.backend import resolve_backend
 from latentmoe_lab.ops.kda_intra import ChunkDecays, intra_chunk_scores
+from latentmoe_lab.ops.kda_state import chunk_states
 
 # Token-heads per group of chunks in kda_chunked: 8192 x 64 fp32 channels = 2 MiB per intermediate, so a
 # group's working set stays in cache (larger groups stream DRAM; smaller ones pay more Python per token).
@@ -156,7 +157,7 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         for t in (q, k, v, g, beta)
     )
     decays = ChunkDecays(g)
-    attn_qk, attn_kk = intra_chunk_scores(q * scale, k, beta, decays)  # [N, BH, C, C]
+    attn_qk, attn_kk = intra_chunk_scores(q, k, beta, decays)  # [N, BH, C, C]; Aqk without the scale
 
     # (I + diag(beta) A)^-1 diag(beta) once per chunk (A's unit diagonal is implied), then W and U.
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
@@ -168,14 +169,13 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     u = solve @ v
 
     k_to_end = (decays.to_end * k).transpose(-1, -2)  # [N, BH, K, C]: exp(Gamma_C - Gamma_j) k_j
-    chunk_starts, writes = [], []
-    for n in range(num_chunks):
-        chunk_starts.append(state)
-        writes.append(torch.baddbmm(u[n], w[n], state, alpha=-1.0))  # V' = U - W S
-        state = torch.baddbmm(decays.whole_chunk[n, :, :, None] * state, k_to_end[n], writes[-1])
-    chunk_starts, writes = torch.stack(chunk_starts), torch.stack(writes)  # [N, BH, K, V], [N, BH, C, V]
+    # V' = U - W S and S <- exp(Gamma_C) S + k_to_end V', chunk by chunk (ops/kda_state.py):
+    # chunk_starts [N, BH, K, V], writes [N, BH, C, V]
+    chunk_starts, writes, state = chunk_states(w, u, k_to_end, decays.whole_chunk, state)
 
-    out = (q * (decays.from_start * scale)) @ chunk_starts + attn_qk @ writes
+    # O = scale ((Q * exp(Gamma)) S + Aqk V'): the scale rides on baddbmm's two factors, not on a pass over Q
+    out = torch.baddbmm(((q * decays.from_start) @ chunk_starts).flatten(0, 1), attn_qk.flatten(0, 1),
+                        writes.flatten(0, 1), beta=scale, alpha=scale).unflatten(0, (num_chunks, -1))
     return rearrange(out, "n (b h) c v -> b (n c) h v", b=batch)[:, :seq_len], state
 
 
