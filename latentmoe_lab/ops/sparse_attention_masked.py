@@ -57,11 +57,12 @@ def masked_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     slots = torch.where(indices >= 0, indices, num_keys).long()
     count = torch.zeros(*indices.shape[:2], num_keys + 1, dtype=dtype, device=q.device)
     count = count.scatter_add_(-1, slots, torch.ones_like(slots, dtype=dtype))[..., :num_keys]  # [B, T, S]
-    keep = (count > 0)[:, None, None]  # [B, 1, 1, T, S]
-    bias = count.clamp(min=1).log()[:, None, None]
+    # A query with nothing selected gets a finite bias row (no 0/0 in its softmax) and a zero output below.
+    selects = count.sum(dim=-1, keepdim=True) > 0  # [B, T, 1]
+    bias = torch.where(count > 0, count.log(), torch.where(selects, float("-inf"), 0.0))[:, None, None]
 
     q_grouped = rearrange(q.to(dtype), "b t (g r) d -> b g r t d", g=k.shape[2])
     logits = einsum(q_grouped, k.to(dtype), "b g r t d, b s g d -> b g r t s") * scale + bias
-    probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1).masked_fill(~keep, 0.0)
-    out = einsum(probs, v.to(dtype), "b g r t s, b s g e -> b t g r e")
+    out = einsum(torch.softmax(logits, dim=-1), v.to(dtype), "b g r t s, b s g e -> b t g r e")
+    out = out * selects[..., None, None]
     return rearrange(out, "b t g r e -> b t (g r) e").to(q.dtype)
