@@ -48,6 +48,7 @@ class LightningIndexer(nn.Module):
         q_idx, head_weights = self.queries(x, c_q)
         return index_scores(q_idx, index_keys, head_weights)
 
+    @torch.no_grad()  # positions are integers: no gradient flows back through a selection
     @record_function("attn.dsa.indexer")
     def select(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor, offset: int,
                first_key: torch.Tensor | None = None) -> torch.Tensor:
