@@ -95,38 +95,41 @@ def test_chunked_outputs_and_gradients_match_the_recurrence(batch, seq_len, head
         torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("batch,seq_len,kernel", [(1, 1, 4), (2, 5, 4), (3, 9, 2)])
+@pytest.mark.parametrize("batch,seq_len,kernel", [(1, 1, 4), (2, 2, 4), (2, 5, 4), (3, 9, 2)])
+@pytest.mark.parametrize("with_tail", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_shifted_conv_matches_conv1d(batch, seq_len, kernel, dtype):
+def test_shifted_conv_matches_conv1d(batch, seq_len, kernel, with_tail, dtype):
     gen = torch.Generator().manual_seed(seq_len)
-    padded = torch.randn(batch, seq_len + kernel - 1, 6, generator=gen, dtype=dtype)
+    x = torch.randn(batch, seq_len, 6, generator=gen, dtype=dtype)
+    tail = torch.randn(batch, kernel - 1, 6, generator=gen, dtype=dtype) if with_tail else None
     weight = torch.randn(6, kernel, generator=gen, dtype=dtype)
     grad_out = torch.randn(batch, seq_len, 6, generator=gen, dtype=dtype)
     results = []
     for conv in (causal_depthwise_conv, causal_depthwise_conv_plain):
-        leaves = [padded.clone().requires_grad_(), weight.clone().requires_grad_()]
-        out = conv(*leaves)
+        leaves = [t.clone().requires_grad_() for t in (x, tail, weight) if t is not None]
+        out = conv(leaves[0], leaves[1] if with_tail else None, leaves[-1])
         out.backward(grad_out)
         results.append([out.detach(), *(t.grad for t in leaves)])
     for fast, plain in zip(*results):
         torch.testing.assert_close(fast, plain)
     if dtype == torch.float64:
-        leaves = [padded.clone().requires_grad_(), weight.clone().requires_grad_()]
-        assert torch.autograd.gradcheck(causal_depthwise_conv, leaves)
+        leaves = [t.clone().requires_grad_() for t in (x, tail, weight) if t is not None]
+        assert torch.autograd.gradcheck(lambda *t: causal_depthwise_conv(t[0], t[1] if with_tail else None, t[-1]),
+                                        leaves)
 
 
 def test_shifted_conv_in_bfloat16_sums_in_fp32():
     gen = torch.Generator().manual_seed(1)
-    padded = torch.randn(2, 11, 8, generator=gen).bfloat16()
+    x, tail = torch.randn(2, 8, 8, generator=gen).bfloat16(), torch.randn(2, 3, 8, generator=gen).bfloat16()
     weight = torch.randn(8, 4, generator=gen).bfloat16()
-    out = causal_depthwise_conv(padded, weight)
+    out = causal_depthwise_conv(x, tail, weight)
     assert out.dtype == torch.bfloat16
-    exact = causal_depthwise_conv_plain(padded.double(), weight.double())
+    exact = causal_depthwise_conv_plain(x.double(), tail.double(), weight.double())
     torch.testing.assert_close(out.double(), exact, rtol=1e-2, atol=1e-2)
 
 
 def test_layer_short_conv_forms_agree_with_a_cache():
-    """Whole layer, prefill of 13 tokens then 2 more, "shifted" vs "conv1d": outputs, conv tails, weight gradients."""
+    """Whole layer with a cache, "shifted" vs "conv1d": outputs, conv tails, weight gradients."""
     config = ModelConfig.from_preset("tiny")
     torch.manual_seed(0)
     layer = KimiDeltaAttention(config)
@@ -136,9 +139,11 @@ def test_layer_short_conv_forms_agree_with_a_cache():
         layer.short_conv_form = form
         layer.zero_grad()
         cache = KDALayerCache()
-        out = torch.cat([layer(x[:, :13], cache), layer(x[:, 13:], cache)], dim=1)
+        # 13 tokens, then 1 (shorter than the conv's history), then 1 more
+        out = torch.cat([layer(x[:, :13], cache), layer(x[:, 13:14], cache), layer(x[:, 14:], cache)], dim=1)
         out.square().sum().backward()
-        results.append([out.detach(), cache.conv_state, layer.conv.weight.grad.clone(), layer.q_proj.weight.grad.clone()])
+        grads = [layer.conv.weight.grad.clone(), layer.q_proj.weight.grad.clone()]
+        results.append([out.detach(), cache.conv_state, *grads])
     for fast, plain in zip(*results):
         torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
 

@@ -180,18 +180,17 @@ class KimiDeltaAttention(nn.Module):
         batch = qkv.shape[0]
         history = self.conv_kernel - 1
         tail = None if cache is None else cache.conv_state
-        if tail is None:
-            padded = F.pad(qkv, (0, 0, history, 0))
-        elif tail.shape != (batch, self.conv_channels, history):
-            raise ValueError(f"cache.conv_state: expected shape [B, channels, kernel-1] = "
-                             f"{(batch, self.conv_channels, history)}, got {tuple(tail.shape)}")
-        else:
-            padded = torch.cat([rearrange(tail, "b c j -> b j c").to(qkv.dtype), qkv], dim=1)
+        if tail is not None:
+            if tail.shape != (batch, self.conv_channels, history):
+                raise ValueError(f"cache.conv_state: expected shape [B, channels, kernel-1] = "
+                                 f"{(batch, self.conv_channels, history)}, got {tuple(tail.shape)}")
+            tail = rearrange(tail, "b c j -> b j c").to(qkv.dtype)
         if cache is not None:
-            # a copy: a view would keep the whole prefill buffer alive
-            cache.conv_state = rearrange(padded[:, padded.shape[1] - history:], "b j c -> b c j").contiguous()
+            before = tail if tail is not None else qkv.new_zeros(batch, history, self.conv_channels)
+            recent = torch.cat([before, qkv[:, -history:]], dim=1)[:, -history:]  # a copy, not a view of qkv
+            cache.conv_state = rearrange(recent, "b j c -> b c j").contiguous()
         conv = causal_depthwise_conv if self.short_conv_form == "shifted" else causal_depthwise_conv_plain
-        return conv(padded, self.conv.weight[:, 0, :])
+        return conv(qkv, tail, self.conv.weight[:, 0, :])
 
     def _short_conv_packed(self, qkv: torch.Tensor, sequence_start: torch.Tensor) -> torch.Tensor:
         """The causal conv of `_short_conv` over [B, T, channels], with taps before a token's sequence_start zeroed."""

@@ -1,13 +1,14 @@
 """The KDA layer's short causal depthwise conv as shifted multiply-adds in the token-major layout [B, T, C].
 
-    out[b, t, c] = sum_j weight[c, j] * padded[b, t + j, c]        j = 0 .. kernel-1
+    out[b, t, c] = sum_j weight[c, j] * x[b, t - (kernel - 1 - j), c]       j = 0 .. kernel-1
 
-padded is the input with its kernel-1 history rows in front ([B, T + kernel - 1, C]). Why not F.conv1d: at the
-training shape of the mini model ([8, 128, 576], kernel 4, 1 thread) mkldnn's depthwise conv wants the
-channels-first layout, so the step paid two transposing copies, a conv backward of ~8 ms (~4x its forward) and
-a SiLU on a strided tensor (~5 ms backward) behind it. Here forward and backward are kernel passes each of
-plain elementwise work over contiguous rows, and the output stays token-major. Products are summed in fp32, as
-a conv kernel accumulates (and as layers/kda_paged.py's decode conv does). The plain twin is F.conv1d
+where the kernel-1 positions before t = 0 are read from `tail` ([B, kernel-1, C]: the previous tokens, from a
+cache) or are zeros (tail None). Why not F.conv1d: at the training shape of the mini model ([8, 128, 576],
+kernel 4, 1 thread) mkldnn's depthwise conv wants the channels-first layout, so the step paid a padded copy,
+two transposing copies, a conv backward of ~8 ms (~4x its forward) and a SiLU on a strided tensor (~5 ms of
+backward) behind it. Here forward and backward are a few elementwise passes over contiguous rows (each tap is
+x shifted by its lag), no padded copy of x is made, and the output stays token-major. Products are summed in
+fp32, as a conv kernel accumulates (and as layers/kda_paged.py's decode conv does). The plain twin is F.conv1d
 (`causal_depthwise_conv_plain`; tests/test_kda_fast.py compares them, outputs and gradients).
 """
 from __future__ import annotations
@@ -20,56 +21,67 @@ from latentmoe_lab.ops.precision import at_least_fp32
 
 
 class CausalDepthwiseConv(torch.autograd.Function):
-    """padded [B, T + kernel - 1, C], weight [C, kernel] -> out [B, T, C] in padded's dtype."""
+    """x [B, T, C], tail [B, kernel-1, C] or None (zeros), weight [C, kernel] -> out [B, T, C] in x's dtype."""
 
     @staticmethod
-    def forward(ctx, padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        kernel = weight.shape[1]
-        seq_len = padded.shape[1] - kernel + 1
+    def forward(ctx, x: torch.Tensor, tail: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         taps = at_least_fp32(weight).t().contiguous()  # [kernel, C]: one contiguous row per tap
-        rows = at_least_fp32(padded)
-        out = rows[:, :seq_len] * taps[0]
-        for j in range(1, kernel):
-            out.addcmul_(rows[:, j:j + seq_len], taps[j])
-        ctx.save_for_backward(padded, taps)
+        rows = at_least_fp32(x)
+        out = rows * taps[-1]  # lag 0
+        for j, lag, reach in _shifts(taps.shape[0], x.shape[1]):
+            out[:, lag:].addcmul_(rows[:, :max(rows.shape[1] - lag, 0)], taps[j])
+            if tail is not None:  # the first `reach` outputs read the tail's last rows
+                out[:, :reach].addcmul_(at_least_fp32(tail[:, tail.shape[1] - lag:][:, :reach]), taps[j])
+        ctx.save_for_backward(x, tail, taps)
         ctx.weight_dtype = weight.dtype
-        return out.to(padded.dtype)
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        padded, taps = ctx.saved_tensors
-        kernel, seq_len = taps.shape[0], grad.shape[1]
+        x, tail, taps = ctx.saved_tensors
+        kernel, seq_len = taps.shape[0], x.shape[1]
         grad = at_least_fp32(grad)
-        grad_padded = grad_weight = None
+        grad_x = grad_tail = grad_weight = None
         if ctx.needs_input_grad[0]:
-            # tap 0 covers rows [0, T): written, not accumulated, so only the last kernel-1 rows need zeros
-            grad_padded = torch.empty(padded.shape, dtype=grad.dtype, device=grad.device)
-            torch.mul(grad, taps[0], out=grad_padded[:, :seq_len])
-            grad_padded[:, seq_len:].zero_()
-            for j in range(1, kernel):
-                grad_padded[:, j:j + seq_len].addcmul_(grad, taps[j])
-            grad_padded = grad_padded.to(padded.dtype)
+            grad_x = grad * taps[-1]
+            for j, lag, _ in _shifts(kernel, seq_len):
+                grad_x[:, :max(seq_len - lag, 0)].addcmul_(grad[:, lag:], taps[j])
+            grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            rows = at_least_fp32(padded)
-            grad_weight = grad.new_empty(taps.shape)  # [kernel, C]
-            products = torch.empty_like(grad)  # one buffer for every tap: a fresh [B, T, C] per tap costs 3x the mul
-            for j in range(kernel):
-                torch.mul(grad, rows[:, j:j + seq_len], out=products)
+            grad_tail = torch.zeros(tail.shape, dtype=grad.dtype, device=grad.device)
+            for j, lag, reach in _shifts(kernel, seq_len):
+                grad_tail[:, kernel - 1 - lag:][:, :reach].addcmul_(grad[:, :reach], taps[j])
+            grad_tail = grad_tail.to(tail.dtype)
+        if ctx.needs_input_grad[2]:
+            rows = at_least_fp32(x)
+            products = torch.empty_like(grad)  # one buffer for every tap: a fresh [B, T, C] per tap costs ~2x the mul
+            grad_weight = torch.empty_like(taps)
+            torch.mul(grad, rows, out=products)
+            torch.sum(products, dim=(0, 1), out=grad_weight[-1])
+            for j, lag, reach in _shifts(kernel, seq_len):
+                torch.mul(grad[:, lag:], rows[:, :max(seq_len - lag, 0)], out=products[:, lag:])
+                if tail is None:
+                    products[:, :reach].zero_()
+                else:
+                    torch.mul(grad[:, :reach], at_least_fp32(tail[:, kernel - 1 - lag:][:, :reach]),
+                              out=products[:, :reach])
                 torch.sum(products, dim=(0, 1), out=grad_weight[j])
             grad_weight = grad_weight.t().to(ctx.weight_dtype)
-        return grad_padded, grad_weight
+        return grad_x, grad_tail, grad_weight
 
 
-def causal_depthwise_conv(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """padded [B, T + kernel - 1, C] (history rows first), weight [C, kernel] -> [B, T, C]."""
-    if torch.compiler.is_compiling():  # the same sum as plain ops: the backward's out= slices cannot be traced
-        seq_len, taps = padded.shape[1] - weight.shape[1] + 1, at_least_fp32(weight)
-        rows = at_least_fp32(padded)
-        return sum(rows[:, j:j + seq_len] * taps[:, j] for j in range(weight.shape[1])).to(padded.dtype)
-    return CausalDepthwiseConv.apply(padded, weight)
+def _shifts(kernel: int, seq_len: int):
+    """(tap j, its lag kernel-1-j, reach = min(lag, T): how many leading outputs read the tail) for taps with lag > 0."""
+    return [(j, kernel - 1 - j, min(kernel - 1 - j, seq_len)) for j in range(kernel - 1)]
 
 
-def causal_depthwise_conv_plain(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`causal_depthwise_conv` through F.conv1d in the channels-first layout (the reference twin)."""
+def causal_depthwise_conv(x: torch.Tensor, tail: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """x [B, T, C], tail [B, kernel-1, C] (the tokens before x; None: zeros), weight [C, kernel] -> [B, T, C]."""
+    return CausalDepthwiseConv.apply(x, tail, weight)
+
+
+def causal_depthwise_conv_plain(x: torch.Tensor, tail: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """`causal_depthwise_conv` through F.conv1d on [tail | x] in the channels-first layout (the reference twin)."""
+    padded = torch.cat([tail.to(x.dtype), x], dim=1) if tail is not None else F.pad(x, (0, 0, weight.shape[1] - 1, 0))
     out = F.conv1d(rearrange(padded, "b t c -> b c t"), weight[:, None, :], groups=weight.shape[0])
     return rearrange(out, "b c t -> b t c")
