@@ -77,6 +77,15 @@ def _shifts(kernel: int, seq_len: int):
 
 def causal_depthwise_conv(x: torch.Tensor, tail: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
     """x [B, T, C], tail [B, kernel-1, C] (the tokens before x; None: zeros), weight [C, kernel] -> [B, T, C]."""
+    if torch.compiler.is_compiling():  # the same sum in plain ops: the backward's out= slices cannot be traced
+        kernel, seq_len = weight.shape[1], x.shape[1]
+        padded = at_least_fp32(torch.cat([tail.to(x.dtype), x], 1) if tail is not None
+                               else F.pad(x, (0, 0, kernel - 1, 0)))
+        taps = at_least_fp32(weight)
+        out = padded[:, kernel - 1:] * taps[:, -1]
+        for j in range(kernel - 1):
+            out = out + padded[:, j:j + seq_len] * taps[:, j]
+        return out.to(x.dtype)
     return CausalDepthwiseConv.apply(x, tail, weight)
 
 
