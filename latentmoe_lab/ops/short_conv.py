@@ -31,7 +31,7 @@ class CausalDepthwiseConv(torch.autograd.Function):
         for j, lag, reach in _shifts(taps.shape[0], x.shape[1]):
             out[:, lag:].addcmul_(rows[:, :max(rows.shape[1] - lag, 0)], taps[j])
             if tail is not None:  # the first `reach` outputs read the tail's last rows
-                out[:, :reach].addcmul_(at_least_fp32(tail[:, tail.shape[1] - lag:][:, :reach]), taps[j])
+                out[:, :reach].addcmul_(_tail_rows(tail, lag, reach), taps[j])
         ctx.save_for_backward(x, tail, taps)
         ctx.weight_dtype = weight.dtype
         return out.to(x.dtype)
@@ -50,29 +50,28 @@ class CausalDepthwiseConv(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_tail = torch.zeros(tail.shape, dtype=grad.dtype, device=grad.device)
             for j, lag, reach in _shifts(kernel, seq_len):
-                grad_tail[:, kernel - 1 - lag:][:, :reach].addcmul_(grad[:, :reach], taps[j])
+                grad_tail[:, tail.shape[1] - lag:][:, :reach].addcmul_(grad[:, :reach], taps[j])
             grad_tail = grad_tail.to(tail.dtype)
         if ctx.needs_input_grad[2]:
             rows = at_least_fp32(x)
-            products = torch.empty_like(grad)  # one buffer for every tap: a fresh [B, T, C] per tap costs ~2x the mul
             grad_weight = torch.empty_like(taps)
-            torch.mul(grad, rows, out=products)
-            torch.sum(products, dim=(0, 1), out=grad_weight[-1])
+            grad_weight[-1] = (grad * rows).sum(dim=(0, 1))
             for j, lag, reach in _shifts(kernel, seq_len):
-                torch.mul(grad[:, lag:], rows[:, :max(seq_len - lag, 0)], out=products[:, lag:])
-                if tail is None:
-                    products[:, :reach].zero_()
-                else:
-                    torch.mul(grad[:, :reach], at_least_fp32(tail[:, kernel - 1 - lag:][:, :reach]),
-                              out=products[:, :reach])
-                torch.sum(products, dim=(0, 1), out=grad_weight[j])
+                grad_weight[j] = (grad[:, lag:] * rows[:, :max(seq_len - lag, 0)]).sum(dim=(0, 1))
+                if tail is not None:
+                    grad_weight[j] += (grad[:, :reach] * _tail_rows(tail, lag, reach)).sum(dim=(0, 1))
             grad_weight = grad_weight.t().to(ctx.weight_dtype)
         return grad_x, grad_tail, grad_weight
 
 
 def _shifts(kernel: int, seq_len: int):
-    """(tap j, its lag kernel-1-j, reach = min(lag, T): how many leading outputs read the tail) for taps with lag > 0."""
+    """(tap j, its lag kernel-1-j, reach = min(lag, T): the leading outputs that read the tail), taps with lag > 0."""
     return [(j, kernel - 1 - j, min(kernel - 1 - j, seq_len)) for j in range(kernel - 1)]
+
+
+def _tail_rows(tail: torch.Tensor, lag: int, reach: int) -> torch.Tensor:
+    """The tail rows a tap of this lag reads for the first `reach` outputs: [B, reach, C], at least fp32."""
+    return at_least_fp32(tail[:, tail.shape[1] - lag:][:, :reach])
 
 
 def causal_depthwise_conv(x: torch.Tensor, tail: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
