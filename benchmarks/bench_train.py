@@ -33,6 +33,7 @@ from bench_train_parts import (ComponentTimer, DenseCausalLM, dense_like, heldou
 from common import apply_threads, machine_info, make_parser, write_json
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
+from latentmoe_lab.compiled import compile_training
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.training.lm import PRESET_DEFAULTS, warmup_cosine
 
@@ -83,24 +84,34 @@ def dense_trainer(config: ModelConfig, seq_len: int, lr: float, warmup: int, tot
     return model, step
 
 
-def speed(config: ModelConfig, batch: int, seq_len: int, steps: int, split: bool) -> dict:
-    """Interleaved step times of mini and the dense reference, their FLOPs and utilization."""
+def speed(config: ModelConfig, batch: int, seq_len: int, steps: int, split: bool, compiled: bool = False) -> dict:
+    """Interleaved step times of mini and the dense reference (and, with `compiled`, of mini under
+    compiled.compile_training, after timing its first step: the compilation), their FLOPs and utilization."""
     ids = torch.randint(0, 256, (batch, seq_len))
     mini, mini_step = mini_trainer(config, 1e-3, 1, 10 ** 6)
     dense, dense_step = dense_trainer(config, seq_len, 1e-3, 1, 10 ** 6)
-    times = {"mini": [], "dense": []}
+    trainers = {"mini": (mini, mini_step), "dense": (dense, dense_step)}
+    compile_s = None
+    if compiled:
+        trainers["mini_compiled"] = mini_trainer(config, 1e-3, 1, 10 ** 6)
+        compile_training(trainers["mini_compiled"][0])
+        start = time.perf_counter()
+        trainers["mini_compiled"][1](ids)  # compiles forward and backward of every region
+        compile_s = time.perf_counter() - start
+    times = {name: [] for name in trainers}
     gflops = [matmul_gflops()]
     for _ in range(2):  # warm-up: allocator, first-call paths
-        mini_step(ids), dense_step(ids)
+        for _, step in trainers.values():
+            step(ids)
     for _ in range(steps):
-        for name, step in (("mini", mini_step), ("dense", dense_step)):
+        for name, (_, step) in trainers.items():
             start = time.perf_counter()
             step(ids)
             times[name].append(time.perf_counter() - start)
         gflops.append(matmul_gflops(repeats=1))
     rate = statistics.median(gflops) * 1e9
     result = {"batch": batch, "seq_len": seq_len, "matmul_gflops": rate / 1e9, "matmul_gflops_all": gflops}
-    for name, model in (("mini", mini), ("dense", dense)):
+    for name, (model, _) in trainers.items():
         step_s = statistics.median(times[name])
         flops = model_flops_per_token(model, seq_len)
         tokens_per_s = batch * seq_len / step_s
@@ -108,6 +119,9 @@ def speed(config: ModelConfig, batch: int, seq_len: int, steps: int, split: bool
                         "model_gflops_per_s": flops["flops_per_token"] * tokens_per_s / 1e9,
                         "utilization": flops["flops_per_token"] * tokens_per_s / rate}
     result["mini"]["guard_share"] = guard_share(ids, mini, result["mini"]["step_s"])
+    if compiled:
+        result["mini_compiled"].update(compile_s=compile_s,
+                                       eager_over_compiled=result["mini"]["step_s"] / result["mini_compiled"]["step_s"])
     if split:
         result["mini"]["split_s"] = component_split(mini, mini_step, ids, steps)
     return result
@@ -194,13 +208,15 @@ def main() -> None:
                         "held-out bits/byte (default: 0, speed only)")
     parser.add_argument("--eval-rows", type=int, default=64, help="held-out rows per evaluation (default: 64)")
     parser.add_argument("--out", type=Path, default=None, help="result JSON (default: bench_train.json here)")
+    parser.add_argument("--compile", action="store_true", help="add a row for mini under torch.compile "
+                        "(compiled.compile_training, inductor): compile time, step, eager / compiled ratio")
     args = parser.parse_args()
     apply_threads(args)
     if args.quick:
         args.batch, args.seq_len, args.steps = 4, 64, 2
     config = ModelConfig.from_preset("mini")
     load_before = os.getloadavg()
-    result = {"speed": speed(config, args.batch, args.seq_len, args.steps, args.split)}
+    result = {"speed": speed(config, args.batch, args.seq_len, args.steps, args.split, args.compile)}
     if args.minutes > 0:
         step_s = {name: result["speed"][name]["step_s"] for name in ("mini", "dense")}
         result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows, step_s)
@@ -216,11 +232,16 @@ def report(result: dict) -> None:
           f"{s['matmul_gflops']:.1f} GFLOP/s")
     print("| model | active params | MFLOP/token | step s | tokens/s | model GFLOP/s | utilization |\n"
           "|---|---:|---:|---:|---:|---:|---:|")
-    for name in ("mini", "dense"):
+    for name in ("mini", "dense", "mini_compiled"):
+        if name not in s:
+            continue
         r = s[name]
         print(f"| {name} | {r['active_parameters'] / 1e6:.2f}M | {r['flops_per_token'] / 1e6:.1f} | {r['step_s']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['model_gflops_per_s']:.1f} | {100 * r['utilization']:.1f}% |")
     print(f"guard: {100 * s['mini']['guard_share']:.2f}% of a mini step")
+    if "mini_compiled" in s:
+        print(f"mini compiled: first step (compilation) {s['mini_compiled']['compile_s']:.1f} s; eager / compiled "
+              f"step time {s['mini_compiled']['eager_over_compiled']:.2f}x")
     for key, share in s["mini"].get("split_s", {}).items():
         print(f"    {key:36s} {100 * share:5.1f}%")
     if "quality" in result:

@@ -167,7 +167,7 @@ def _experts_op(z: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: to
     routing.check_grouped_args(z, w13, counts.cumsum(0))
     tiles, offsets = _plan(counts)
     y, pres = _forward_tiles(z, w13, w2, offsets, tiles, clamp)
-    return y, pres[0] if len(pres) == 1 else torch.cat(pres)
+    return y.contiguous(), (pres[0] if len(pres) == 1 else torch.cat(pres)).contiguous()
 
 
 @_experts_op.register_fake
@@ -182,12 +182,12 @@ def _experts_backward_op(grad_y: torch.Tensor, z: torch.Tensor, counts: torch.Te
     """-> (grad z [M, l], grad w13 [E, l, 2F], grad w2 [E, F, l])."""
     tiles, offsets = _plan(counts)
     pres = [pre[row:row + rows] for _, _, row, rows in tiles]
-    return _backward_tiles(grad_y, z, w13, w2, offsets, tiles, clamp, pres)
+    return tuple(grad.contiguous() for grad in _backward_tiles(grad_y, z, w13, w2, offsets, tiles, clamp, pres))
 
 
 @_experts_backward_op.register_fake
 def _(grad_y, z, counts, w13, w2, pre, clamp):
-    return torch.empty_like(z), torch.empty_like(w13), torch.empty_like(w2)
+    return z.new_empty(z.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape)
 
 
 def _experts_setup_context(ctx, inputs, output):

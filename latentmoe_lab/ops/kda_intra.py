@@ -169,7 +169,8 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
 def _scores_op(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     attn_qk, attn_kk = _intra_chunk_scores(q, k, beta, ChunkDecays(g))
-    return attn_qk.clone(), attn_kk.clone()  # (views of one buffer; a custom op's outputs may not alias)
+    # views of one buffer: a custom op's outputs may not alias, and must have the fake rule's contiguous strides
+    return attn_qk.clone(memory_format=torch.contiguous_format), attn_kk.clone(memory_format=torch.contiguous_format)
 
 
 @_scores_op.register_fake
@@ -188,12 +189,12 @@ def _scores_backward_op(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g:
                                          below_autograd.remove(torch._C.DispatchKey.AutogradCPU)), torch.enable_grad():
         outputs = _intra_chunk_scores(*inputs[:3], ChunkDecays(inputs[3]))
         grads = torch.autograd.grad(outputs, inputs, (grad_qk, grad_kk), allow_unused=True)
-    return [torch.zeros_like(t) if grad is None else grad for t, grad in zip(inputs, grads)]
+    return [t.new_zeros(t.shape) if grad is None else grad.contiguous() for t, grad in zip(inputs, grads)]
 
 
 @_scores_backward_op.register_fake
 def _(q, k, beta, g, grad_qk, grad_kk):
-    return [torch.empty_like(t) for t in (q, k, beta, g)]
+    return [t.new_empty(t.shape) for t in (q, k, beta, g)]
 
 
 def _scores_setup_context(ctx, inputs, output):
