@@ -35,10 +35,12 @@ def test_bf16_accumulation_profile_is_an_alignment_candidate_with_a_named_first_
 
 def test_strict_mode_names_the_missing_op_its_shapes_and_module(model, ids):
     with pytest.raises(UnsupportedOperator) as error, torch.no_grad():
-        with SimDevice("fp32", op_table=FULL_OP_TABLE - {"aten.convolution"}, model=model):
+        with SimDevice("fp32", op_table=FULL_OP_TABLE - {"aten.linalg_solve_triangular"}, model=model):
             model(ids)
-    assert (error.value.op, error.value.module) == ("aten.convolution", "layers.0.attn.conv")
-    assert error.value.shapes[0] == (2, model.layers[0].attn.conv_channels, 37 + 3)
+    assert (error.value.op, error.value.module) == ("aten.linalg_solve_triangular", "layers.0.attn")
+    kda = model.layers[0].attn  # the first KDA chunk group's solve: [chunks, B * heads, C, C]
+    chunks = -(-37 // kda.chunk_size)
+    assert error.value.shapes[0] == (chunks, 2 * kda.num_heads, kda.chunk_size, kda.chunk_size)
     assert "not in the op table" in str(error.value)
 
 

@@ -11,32 +11,36 @@ from dataclasses import dataclass, field
 
 import torch
 
-MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm"})
+MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.baddbmm_", "aten._grouped_mm"})
 
 FULL_OP_TABLE = frozenset({
     # contractions
-    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm", "aten.convolution",
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.baddbmm_", "aten._grouped_mm", "aten.convolution",
     "aten.linalg_solve_triangular",
     # elementwise and activations
-    "aten.abs", "aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.mul_", "aten.div", "aten.floor_divide",
+    "aten.abs", "aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.mul_", "aten.addcmul", "aten.addcmul_",
+    "aten.div", "aten.floor_divide",
     "aten.remainder",
-    "aten.exp", "aten.pow", "aten.reciprocal", "aten.rsqrt", "aten.relu", "aten.sigmoid", "aten.silu",
+    "aten.exp", "aten.log", "aten.pow", "aten.reciprocal", "aten.rsqrt", "aten.relu", "aten.sigmoid", "aten.silu",
     "aten.clamp", "aten.clamp_min", "aten.where", "aten.masked_fill", "aten.masked_fill_", "aten.isnan",
     "aten.eq", "aten.ne", "aten.ge", "aten.gt", "aten.le", "aten.lt",
     "aten.bitwise_and", "aten.bitwise_not", "aten.bitwise_or",
     # reductions, norms, softmax, scans
     "aten.sum", "aten.mean", "aten.amax", "aten.amin", "aten.max", "aten.min", "aten.all", "aten.any",
-    "aten.argmax", "aten._softmax", "aten._log_softmax", "aten.native_layer_norm", "aten.nll_loss_forward",
+    "aten.argmax", "aten._softmax", "aten._log_softmax", "aten.native_layer_norm", "aten.linalg_vector_norm",
+    "aten.nll_loss_forward",
     "aten.cumsum", "aten.cumprod", "aten.tril",
     # selection, sorting, gather / scatter (custom work on most accelerators)
-    "aten.topk", "aten.sort", "aten.gather", "aten.scatter_", "aten.index", "aten.index_select", "aten.index_add_",
+    "aten.topk", "aten.sort", "aten.gather", "aten.scatter_", "aten.scatter_add_", "aten.index", "aten.index_select",
+    "aten.index_add_",
     "aten.embedding", "aten.bincount", "aten.nonzero",
     # layout, creation and copies
     "aten._to_copy", "aten._unsafe_view", "aten.alias", "aten.cat", "aten.clone", "aten.constant_pad_nd",
     "aten.copy_", "aten.detach", "aten.expand", "aten.flip", "aten.permute", "aten.select", "aten.slice",
     "aten.split", "aten.split_with_sizes", "aten.stack", "aten.t", "aten.transpose", "aten.unsqueeze", "aten.view",
-    "aten.arange", "aten.eye", "aten.new_empty", "aten.new_full", "aten.new_zeros", "aten.ones", "aten.zeros",
-    "aten.zeros_like", "aten.scalar_tensor", "aten.promote_types", "aten.lift_fresh",
+    "aten.arange", "aten.eye", "aten.empty_like", "aten.new_empty", "aten.new_full", "aten.new_zeros", "aten.ones",
+    "aten.zeros",
+    "aten.zeros_like", "aten.ones_like", "aten.scalar_tensor", "aten.promote_types", "aten.lift_fresh",
     # a device-to-host read of one value (int(t), t.item()): supported, but counted as a host sync
     "aten._local_scalar_dense",
     # the model's fused paths (porting/custom_ops.py)
