@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from einops import rearrange
 
 from latentmoe_lab.layers.kda import KimiDeltaAttention
 
@@ -56,6 +57,10 @@ def compile_training(model, backend="inductor"):
     """Route the training forward of every KDA block, and of every other block's FFN / MoE, through
     torch.compile (backward by AOT autograd); returns model. backend: a name or a torch.compile backend."""
     _check_backend(backend)
+    # einops caches its backend per tensor type and dynamo guards on that cache's size: an eager call meeting
+    # its first Parameter after the regions compiled (evaluation does) would recompile every region once.
+    for probe in (torch.zeros(1), torch.nn.Parameter(torch.zeros(1))):
+        rearrange(probe, "n -> n")
     modules = _training_modules(model)
     if any("forward" in module.__dict__ for module in modules + _decode_modules(model)):
         raise ValueError("model: already compiled (compile_decode or compile_training); undo that first")
