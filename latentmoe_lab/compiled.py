@@ -68,8 +68,9 @@ def compile_training(model, backend="inductor"):
         compiled, eager = _compiled(type(module).forward, backend), type(module).forward
 
         def forward(x, *args, _module=module, _compiled=compiled, _eager=eager, **kwargs):
-            stateful = any(a is not None for a in args) or any(v is not None for v in kwargs.values())
-            run = _compiled if torch.is_grad_enabled() and not stateful else _eager
+            # a cache, packed-sequence starts or a serving batch: eager (the compiled graphs assume none)
+            extra = any(a is not None for a in args) or any(v is not None for v in kwargs.values())
+            run = _compiled if torch.is_grad_enabled() and not extra else _eager
             return run(_module, x, *args, **kwargs)
 
         module.forward = forward
