@@ -17,11 +17,13 @@ spike on a shared machine hits both, medians over --steps:
     python benchmarks/bench_train.py --threads 1 --minutes 8 # + held-out bits/byte after 8 minutes of each
 
 --minutes M trains mini (the train preset's lr, warm-up and betas, bias updates) and then the dense model
-(same batch, lr 1e-3) for M minutes of wall time each on the standard-library corpus, and evaluates both on
-the same held-out rows (bits per byte) every M/4 minutes. It needs a quiet machine to mean anything.
+(same batch, lr 1e-3) for M minutes of training time each on the standard-library corpus, each with its
+cosine decay ending at M minutes (`timed_cosine`), and evaluates both on the same held-out rows (bits per
+byte) every M/4 minutes. It needs a quiet machine to mean anything.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -38,15 +40,16 @@ from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.training.lm import PRESET_DEFAULTS, warmup_cosine
 
 
-def mini_trainer(config: ModelConfig, lr: float, warmup: int, total_steps: int):
-    """(model, step(ids) -> loss): the train loop's step on one process (training/lm.py), without accelerate."""
+def mini_trainer(config: ModelConfig, lr: float, warmup: int, total_steps: int, lr_factor=None):
+    """(model, step(ids) -> loss): the train loop's step on one process (training/lm.py), without accelerate.
+    lr_factor: the scheduler's multiplier (default: warm-up + cosine over total_steps, as `train`)."""
     torch.manual_seed(0)
     model = LatentMoEForCausalLM(config)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=lr, betas=(0.9, 0.95), fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps, 0.1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor or warmup_cosine(warmup, total_steps, 0.1))
     moe_layers = [block.ffn for block in model.layers if isinstance(block.ffn, LatentMoE)]
 
     def step(ids: torch.Tensor) -> float:
@@ -66,11 +69,11 @@ def mini_trainer(config: ModelConfig, lr: float, warmup: int, total_steps: int):
     return model, step
 
 
-def dense_trainer(config: ModelConfig, seq_len: int, lr: float, warmup: int, total_steps: int):
+def dense_trainer(config: ModelConfig, seq_len: int, lr: float, warmup: int, total_steps: int, lr_factor=None):
     torch.manual_seed(0)
     model = dense_like(config, seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps, 0.1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor or warmup_cosine(warmup, total_steps, 0.1))
 
     def step(ids: torch.Tensor) -> float:
         loss = model.loss(ids)
@@ -153,13 +156,21 @@ def component_split(model, step, ids, steps: int) -> dict:
     return {key: value / total for key, value in split.items()}
 
 
-def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_rows: int,
-            step_s: dict[str, float]) -> dict:
-    """Held-out bits/byte against wall time, mini then dense, `minutes` each on the stdlib corpus.
+def timed_cosine(warmup: int, seconds: float, clock, min_ratio: float = 0.1):
+    """lr multiplier at scheduler step s: linear warm-up over `warmup` steps, then cosine down to min_ratio
+    by training time, clock() / seconds, so a run given M minutes ends its decay at M minutes whatever its
+    pace (a step-count schedule sized from a speed run misses when real data runs slower than random ids)."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, clock() / seconds)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
 
-    step_s: each model's median step time from the speed run; a run's warm-up + cosine schedule is sized to
-    the steps that fit in `minutes` at that pace, as `train --steps N` sizes it, so both end their decay.
-    """
+
+def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_rows: int) -> dict:
+    """Held-out bits/byte against training time, mini then dense, `minutes` each on the stdlib corpus, each
+    with the train preset's warm-up and a cosine decay that ends at `minutes` (timed_cosine)."""
     from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
 
     corpus = load_corpus(None, 0.02, verbose=False)
@@ -168,15 +179,16 @@ def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_
     mini_defaults = PRESET_DEFAULTS["mini"]
     out = {}
     for name in ("mini", "dense"):
-        # the schedule is set for the step count the speed run predicts; the clock ends the run
-        total_steps = max(mini_defaults["warmup"] + 1, round(minutes * 60 / step_s[name]))
+        clock = {"started": time.perf_counter()}
+        schedule = timed_cosine(mini_defaults["warmup"], minutes * 60, lambda: time.perf_counter() - clock["started"])
         if name == "mini":
-            model, step = mini_trainer(config, mini_defaults["lr"], mini_defaults["warmup"], total_steps)
+            model, step = mini_trainer(config, mini_defaults["lr"], mini_defaults["warmup"], 0, schedule)
             evaluate = lambda: heldout_bits_per_byte(lambda ids: model(ids, labels=ids).loss, picked)  # noqa: E731
         else:
-            model, step = dense_trainer(config, seq_len, 1e-3, mini_defaults["warmup"], total_steps)
+            model, step = dense_trainer(config, seq_len, 1e-3, mini_defaults["warmup"], 0, schedule)
             evaluate = lambda: heldout_bits_per_byte(model.loss, picked)  # noqa: E731
         curve, trained, started, number = [], 0.0, time.perf_counter(), 0
+        clock["started"] = started
         checkpoints = [minutes * 60 * k / 4 for k in (1, 2, 3, 4)]
         while checkpoints:
             ids = train_rows[batch_rows(number, batch, len(train_rows), 0)].long()
@@ -189,10 +201,10 @@ def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_
                 curve.append({"train_s": trained, "steps": number, "bits_per_byte": evaluate()})
                 model.train()
                 started += time.perf_counter() - started - trained  # evaluation time is not training time
+                clock["started"] = started
                 print(f"  {name}: {trained / 60:.1f} min, {number} steps, held-out {curve[-1]['bits_per_byte']:.3f} "
                       f"bits/byte", flush=True)
         out[name] = curve
-        out[f"{name}_schedule_steps"] = total_steps
     out["mini_over_dense"] = out["mini"][-1]["bits_per_byte"] / out["dense"][-1]["bits_per_byte"]
     return out
 
@@ -218,8 +230,7 @@ def main() -> None:
     load_before = os.getloadavg()
     result = {"speed": speed(config, args.batch, args.seq_len, args.steps, args.split, args.compile)}
     if args.minutes > 0:
-        step_s = {name: result["speed"][name]["step_s"] for name in ("mini", "dense")}
-        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows, step_s)
+        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows)
     result["machine"] = machine_info(quick=args.quick, loadavg_before=load_before, loadavg_after=os.getloadavg())
     report(result)
     print(f"results: {write_json(__file__, result, out=args.out)}")

@@ -367,5 +367,8 @@ def test_profile_prints_a_summary_and_no_profiler_noise(tmp_path, capfd):
     assert cli.main(["profile", "--prompt-len", "16", "--out", str(tmp_path)]) == 0
     out, err = capfd.readouterr()
     assert "tiny, prefill, batch 1, 16 tokens: the traced call took" in out
-    assert "time by component (exclusive): " in out and "heaviest ops (exclusive): aten::" in out
+    assert "time by component (exclusive): " in out
+    # (the heaviest may be an autograd.Function's own node, e.g. the norms' _RowNorm; aten ops follow)
+    heaviest = next(line for line in out.splitlines() if line.startswith("heaviest ops (exclusive): "))
+    assert "aten::" in heaviest
     assert "USDT" not in err and "CPUAllocator" not in err
