@@ -64,17 +64,32 @@ def compile_training(model, backend="inductor"):
     modules = _training_modules(model)
     if any("forward" in module.__dict__ for module in modules + _decode_modules(model)):
         raise ValueError("model: already compiled (compile_decode or compile_training); undo that first")
+    _route_forwards(modules, backend, _is_training_call)
+    return model
+
+
+def _is_training_call(x, args, kwargs) -> bool:
+    # a cache, packed-sequence starts or a serving batch: eager (the compiled graphs assume none)
+    extra = any(a is not None for a in args) or any(v is not None for v in kwargs.values())
+    return torch.is_grad_enabled() and not extra
+
+
+def _is_decode_call(x, args, kwargs) -> bool:
+    paged = kwargs.get("batch") is not None or kwargs.get("pool") is not None
+    return x.shape[1] == 1 and not paged and not torch.is_grad_enabled()
+
+
+def _route_forwards(modules, backend: str, compiled_when) -> None:
+    """Give each module a forward that runs its class's forward compiled when compiled_when(x, args, kwargs),
+    eager otherwise (the instance attribute shadows the class's; popping it undoes this)."""
     for module in modules:
         compiled, eager = _compiled(type(module).forward, backend), type(module).forward
 
         def forward(x, *args, _module=module, _compiled=compiled, _eager=eager, **kwargs):
-            # a cache, packed-sequence starts or a serving batch: eager (the compiled graphs assume none)
-            extra = any(a is not None for a in args) or any(v is not None for v in kwargs.values())
-            run = _compiled if torch.is_grad_enabled() and not extra else _eager
+            run = _compiled if compiled_when(x, args, kwargs) else _eager
             return run(_module, x, *args, **kwargs)
 
         module.forward = forward
-    return model
 
 
 def eager_training(model):
@@ -99,16 +114,7 @@ def compile_decode(model, backend: str = "inductor"):
         raise ValueError(f"backend: must be one of {COMPILE_BACKENDS}, got {backend!r}")
     if any("forward" in module.__dict__ for module in _decode_modules(model) + _training_modules(model)):
         raise ValueError("model: already compiled (compile_decode or compile_training); undo that first")
-    for module in _decode_modules(model):
-        compiled = _compiled(type(module).forward, backend)
-        eager = type(module).forward
-
-        def forward(x, *args, _module=module, _compiled=compiled, _eager=eager, **kwargs):
-            paged = kwargs.get("batch") is not None or kwargs.get("pool") is not None
-            run = _compiled if x.shape[1] == 1 and not paged and not torch.is_grad_enabled() else _eager
-            return run(_module, x, *args, **kwargs)
-
-        module.forward = forward
+    _route_forwards(_decode_modules(model), backend, _is_decode_call)
     return model
 
 
