@@ -35,7 +35,7 @@ from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.ops import batch_invariant
 from latentmoe_lab.ops.balancing import bias_update, router_z_loss, sequence_aux_loss
 from latentmoe_lab.ops.grouped_experts import fits as grouped_experts_fit, grouped_swiglu_experts
-from latentmoe_lab.ops.routing import (combine, expert_counts, grouped_matmul, grouped_matmul_reference, permute,
+from latentmoe_lab.ops.routing import (combine, count_routed, grouped_matmul, grouped_matmul_reference, permute,
                                        plan_dispatch, route_topk, route_topk_reference, row_tiles, swiglu)
 
 
@@ -221,7 +221,7 @@ class LatentMoE(nn.Module):
         z_perm, counts, ctx = self.dispatcher.dispatch(self.down(x_nd), indices)
         mixed = self.dispatcher.combine(self.experts(z_perm, counts), weights, ctx)
         # Counted from the routing itself: an expert-parallel dispatcher only sees its local experts.
-        self.last_expert_counts = expert_counts(indices, self.num_experts).detach()
+        self.last_expert_counts = count_routed(indices, self.num_experts).detach()
         return self._finish(mixed, x_nd, x.shape[0])
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:

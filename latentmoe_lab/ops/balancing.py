@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from latentmoe_lab.ops.routing import check_expert_indices
+from latentmoe_lab.ops.routing import check_expert_indices, count_routed
 
 
 def _check_logits(logits: torch.Tensor, dims: int, layout: str) -> None:
@@ -31,9 +31,9 @@ def _check_logits(logits: torch.Tensor, dims: int, layout: str) -> None:
 
 
 def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """indices [N, K] -> tokens routed to each expert [E] int64 (no gradient)."""
+    """indices [N, K] -> tokens routed to each expert [E] int64 (no gradient); routing.count_routed, checked."""
     check_expert_indices(indices, num_experts, 2, "[N, K]")
-    return torch.bincount(indices.reshape(-1).long(), minlength=num_experts)
+    return count_routed(indices, num_experts)
 
 
 def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.Tensor:

@@ -157,7 +157,7 @@ def check_expert_indices(indices: torch.Tensor, num_experts: int, dims: int, lay
                          f"got range [{int(indices.min())}, {int(indices.max())}]")
 
 
-def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def count_routed(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Routed pairs per expert: indices (any shape, values in [0, E)) -> [E] int64.
 
     bincount's output length depends on the largest index (a data-dependent shape that splits a compiled
@@ -172,7 +172,7 @@ def plan_dispatch(indices: torch.Tensor, num_experts: int) -> DispatchPlan:
     check_expert_indices(indices, num_experts, 2, "[N, K]")
     flat = indices.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = expert_counts(flat, num_experts)
+    counts = count_routed(flat, num_experts)
     return DispatchPlan(order=order, token_index=order // indices.shape[1], counts=counts,
                         offsets=counts.cumsum(0), top_k=indices.shape[1])
 
