@@ -11,25 +11,33 @@ LAB_ROOT_ARGS := $(if $(filter 0,$(shell id -u)),$(if $(filter --allow-root,$(LA
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo model model-mtp test lab clean notebooks
+.PHONY: setup demo model model-mtp test verify-matrix lab clean notebooks
 
 $(STAMP): pyproject.toml
+	@echo "make: first run: creating $(VENV) and installing $(TORCH_SPEC), then this package with its dev extras"
+	@echo "make: (once; ~4 minutes on a 2-core machine, mostly downloads; pip prints only its warnings and errors)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	@echo "make: torch installed; installing latentmoe-lab with its dev extras (jupyter, lm-eval, transformers, pytest)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
+	@echo "make: $(VENV) is ready"
 
 setup: $(STAMP)
 
 demo: $(STAMP)
+	@echo "make: the smoke run (a small random model, an image + text prompt), then the trained model's completion"
 	$(VENV)/bin/latentmoe-lab smoke
 	$(PY) -m latentmoe_lab.trained_model demo --checkpoint $(MODEL_DIR)
 
 # The trained model that `make demo` and `latentmoe-lab serve --config configs/service-cpu.yaml` use when it
 # exists: the mini preset trained on this interpreter's standard library, MODEL_STEPS steps on two processes of
 # one thread each (deterministic: one seed), then exported in bf16 with its training report and tokenizer files.
-# 400 steps reach 2.78 held-out bits per byte; the run costs ~430 s of CPU time (~3.6 min on 2 idle cores; 5 min
-# 46 s measured on a shared 2-core VM at load average 3-4), and two runs give bit-identical weights.
+# 400 steps reach about 2.77-2.78 held-out bits per byte; the run costs ~430 s of CPU time (~3.6 min on 2 idle
+# cores; 5-6 min measured on a shared 2-core VM at load average 3-6). Two runs of one checkout on one machine
+# give bit-identical weights; other weights (and another greedy completion) come with another Python standard
+# library (the corpus: `train` prints its sha256), torch version, CPU kernels (AVX2 vs AVX512) or checkout.
+# README.md, "What the figures depend on".
 MODEL_DIR ?= checkpoints/mini-stdlib
 MODEL_STEPS ?= 400
 model: $(STAMP)
@@ -47,6 +55,11 @@ model-mtp: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The multi-process part of `latentmoe-lab verify`'s matrix (EP + EPLB, TP + spill + spec, PP + spec + fp8 cache):
+# minutes on 2 cores, so `make test` leaves it out (tests/test_verify_cli.py, marker `matrix`).
+verify-matrix: $(STAMP)
+	$(PY) -m pytest -m matrix tests/test_verify_cli.py
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT_ARGS) $(LAB_ARGS) notebooks/

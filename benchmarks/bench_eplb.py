@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_eplb.py            # 92 MoE layers x 896 experts, every workload
     .venv/bin/python benchmarks/bench_eplb.py --quick    # 8 layers, two workloads: checks the harness
 
-For each of the six imbalance workloads (latentmoe_lab/workloads.py: 4096 tokens, top-16, the expert ids
+For each of the six imbalance workloads (latentmoe_lab/routing_workloads.py: 4096 tokens, top-16, the expert ids
 shuffled per layer so the hot experts differ between layers), the k3-2.8t preset on H200-141GB serving
 SERVE_128K at EP64 (8 nodes of 8):
 
@@ -14,8 +14,8 @@ SERVE_128K at EP64 (8 nodes of 8):
 "refined" rows use rebalance_experts(refine=True) (packing-aware replica counts, docs/design.md §14), as
 the serving balancer does; R = 64 also runs with the public balancer alone ("plain") to compare.
 
-balancedness = mean / max tokens per rank, per layer, averaged over the 92 layers (parallel/eplb_load.py);
-the step times are the planner's for the busiest EP rank of every layer (parallel/eplb_plan.py: its experts
+balancedness = mean / max tokens per rank, per layer, averaged over the 92 layers (parallel/eplb/load.py);
+the step times are the planner's for the busiest EP rank of every layer (parallel/eplb/plan.py: its experts
 get max / mean x the average routed pairs) with the fullest rank's expert slots in memory. 896 + 32 slots
 do not split evenly over 64 ranks (rebalance_experts refuses num_replicas=928 for 64 ranks), so R = 32 runs
 at EP32 and the EP64 + 32 memory row is the planner's (15 slots on the fullest rank). Rebalance time is
@@ -39,14 +39,14 @@ import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.model import LatentMoEForCausalLM
-from latentmoe_lab.parallel.eplb_load import moe_layers
+from latentmoe_lab.parallel.eplb.load import moe_layers
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.parallel.config import ParallelConfig
-from latentmoe_lab.parallel.eplb_plan import plan_placement, workload_loads
+from latentmoe_lab.parallel.eplb.plan import plan_placement, workload_loads
 from latentmoe_lab.parallel.hardware import HARDWARE, SERVE_128K
 from latentmoe_lab.parallel.planner import plan_layout
-from latentmoe_lab.workloads import WORKLOADS
+from latentmoe_lab.routing_workloads import WORKLOADS
 
 VARIANTS = [(64, None, False), (64, 0, True), (64, 64, False), (64, 64, True), (64, 128, True), (32, None, False),
             (32, 32, True)]  # (ep, redundant slots, refine)

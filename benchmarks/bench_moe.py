@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -46,8 +47,9 @@ from latentmoe_lab.analysis.imbalance import interleaved_medians, measure_worklo
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.moe import LatentMoE
-from latentmoe_lab.ops.routing import grouped_matmul, grouped_swiglu, plan_dispatch
-from latentmoe_lab.workloads import WORKLOADS, make_workload
+from latentmoe_lab.ops.grouped_experts import expert_tiles
+from latentmoe_lab.ops.routing import CPU_TILE_ROWS, grouped_matmul, grouped_swiglu, plan_dispatch
+from latentmoe_lab.routing_workloads import WORKLOADS, make_workload
 
 from common import apply_threads, make_parser, write_json
 
@@ -145,36 +147,103 @@ def _with_backward(forward, x: torch.Tensor):
     return run
 
 
-def floor_with_backward(layer, tokens: int):
-    """The matmul floor of a forward + backward: the expert GEMMs as two plain matmuls of the total routed
-    shape, and their 4 backward GEMMs (input and weight gradients)."""
-    rows = tokens * layer.top_k
-    latent, inter = layer.experts.w2.shape[2], layer.experts.w2.shape[1]
-    z_rows, h_rows = torch.randn(rows, latent, requires_grad=True), torch.randn(rows, inter, requires_grad=True)
-    w13 = layer.experts.w13[0].detach().clone().requires_grad_()
-    w2 = layer.experts.w2[0].detach().clone().requires_grad_()
-    return lambda: ((z_rows @ w13).sum() + (h_rows @ w2).sum()).backward()
+def expert_floors(layer, x: torch.Tensor) -> tuple[dict, dict]:
+    """The matmul floor of x's routing, forward and forward + backward: the expert GEMMs alone on rows already
+    sorted by expert (no routing, gather, activation or combine), as ({name: fn}, {name: fn}).
+
+    "grouped floor": torch._grouped_mm per expert at the layer's own counts, in the library's tiles of whole experts
+    (ops.routing.CPU_TILE_ROWS rows, so outputs stay cache-sized): z_s W13 [r, 2F] and h_s W2 [r, l]; the backward
+    adds dh = dB W2^T, dW2 = h_s^T dB, dz = dA W13^T, dW13 = z_s^T dA (explicit GEMMs, no autograd).
+    "one-matmul floor": the same six GEMMs as plain matmuls of the total shape, one expert's weights for all rows
+    (fewer weight bytes than any real routing reads). The table's floor is the faster of the two.
+    """
+    with torch.no_grad():
+        _, indices = layer.route(rearrange(x, "b t d -> (b t) d"))
+    counts = plan_dispatch(indices, layer.num_experts).counts.tolist()
+    tiles = [(first, stop, row, rows, torch.tensor(list(accumulate(counts[first:stop])), dtype=torch.int32))
+             for first, stop, row, rows in expert_tiles(counts, CPU_TILE_ROWS)]
+    w13, w2 = layer.experts.w13.detach(), layer.experts.w2.detach()
+    rows, latent, inter = sum(counts), w2.shape[2], w2.shape[1]
+    z_s, h_s = torch.randn(rows, latent), torch.randn(rows, inter)
+    grad_a, grad_b = torch.randn(rows, 2 * inter), torch.randn(rows, latent)
+
+    def grouped(backward: bool):
+        for first, stop, row, n, ends in tiles:
+            z_t, h_t, ga, gb = (t[row:row + n] for t in (z_s, h_s, grad_a, grad_b))
+            torch._grouped_mm(z_t, w13[first:stop], offs=ends), torch._grouped_mm(h_t, w2[first:stop], offs=ends)
+            if backward:
+                torch._grouped_mm(gb, w2[first:stop].transpose(1, 2), offs=ends)
+                torch._grouped_mm(h_t.t(), gb, offs=ends)
+                torch._grouped_mm(ga, w13[first:stop].transpose(1, 2), offs=ends)
+                torch._grouped_mm(z_t.t(), ga, offs=ends)
+
+    def plain(backward: bool):
+        z_s @ w13[0], h_s @ w2[0]
+        if backward:
+            grad_b @ w2[0].t(), h_s.t() @ grad_b, grad_a @ w13[0].t(), z_s.t() @ grad_a
+
+    return ({"grouped floor": lambda: grouped(False), "one-matmul floor": lambda: plain(False)},
+            {"grouped floor": lambda: grouped(True), "one-matmul floor": lambda: plain(True)})
 
 
-def sweep_table(layer, token_counts, repeats) -> list[dict]:
-    """Library vs per-expert loop per T, forward (no grad) and forward + backward; at the largest T also the
-    matmul floor of both."""
-    out = []
-    for tokens in token_counts:
-        x = torch.randn(1, tokens, layer.hidden_size)
+def routed_step(layer: LatentMoE, x: torch.Tensor):
+    """The library's routed step alone on x's routing (LatentMoE.routed: dispatch, experts, combine; what the floor's
+    GEMMs sit in, without the router, W_down, W_up and the norm): (forward fn, forward + backward fn)."""
+    with torch.no_grad():
+        x_nd = rearrange(x, "b t d -> (b t) d")
+        weights, indices = layer.route(x_nd)
+        z = layer.to_latent(x_nd)
+    z_grad, weights_grad = z.clone().requires_grad_(), weights.clone().requires_grad_()
+
+    def forward():
         with torch.no_grad():
-            torch.testing.assert_close(per_expert_loop_forward(layer, x), layer(x), **TOL)
-            m = interleaved_medians({"grouped": lambda: layer(x),
-                                     "per-expert loop": lambda: per_expert_loop_forward(layer, x)}, repeats)
-        xg = x.clone().requires_grad_()
-        runs = {"grouped fwd+bwd": _with_backward(layer, xg),
-                "per-expert loop fwd+bwd": _with_backward(lambda v: per_expert_loop_forward(layer, v), xg)}
-        if tokens == max(token_counts):
-            runs["matmul floor fwd+bwd"] = floor_with_backward(layer, tokens)
-        m.update(interleaved_medians(runs, repeats))
-        layer.zero_grad(set_to_none=True)
-        out.append({"tokens": tokens, **m, "per_expert_over_grouped": m["per-expert loop"] / m["grouped"],
-                    "per_expert_over_grouped_fwd_bwd": m["per-expert loop fwd+bwd"] / m["grouped fwd+bwd"]})
+            layer.routed(z, weights, indices)
+
+    def forward_backward():
+        z_grad.grad = weights_grad.grad = None
+        layer.routed(z_grad, weights_grad, indices).sum().backward()
+    return forward, forward_backward
+
+
+def _strategy(layer: LatentMoE, name: str):
+    """layer's forward with routed_strategy `name` ("auto" is the library's own choice)."""
+    def forward(x):
+        layer.routed_strategy = name
+        try:
+            return layer(x)
+        finally:
+            layer.routed_strategy = "auto"
+    return forward
+
+
+def sweep_table(layer, token_counts, thread_counts, repeats) -> list[dict]:
+    """Per torch thread count and T: the library path, its "steps" strategy, the per-expert loop and the matmul
+    floors, forward (no grad) and forward + backward (into x and every weight), interleaved call by call."""
+    out = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for tokens in token_counts:
+            x = torch.randn(1, tokens, layer.hidden_size)
+            floor_fwd, floor_fwd_bwd = expert_floors(layer, x)
+            routed_fwd, routed_fwd_bwd = routed_step(layer, x)
+            with torch.no_grad():
+                torch.testing.assert_close(per_expert_loop_forward(layer, x), layer(x), **TOL)
+                torch.testing.assert_close(_strategy(layer, "steps")(x), layer(x), **TOL)
+                fwd = interleaved_medians({"library": lambda: layer(x), "steps": lambda: _strategy(layer, "steps")(x),
+                                           "per-expert loop": lambda: per_expert_loop_forward(layer, x),
+                                           "routed": routed_fwd, **floor_fwd}, repeats)
+            xg = x.clone().requires_grad_()
+            bwd = interleaved_medians({
+                "library": _with_backward(layer, xg), "steps": _with_backward(_strategy(layer, "steps"), xg),
+                "per-expert loop": _with_backward(lambda v: per_expert_loop_forward(layer, v), xg),
+                "routed": routed_fwd_bwd, **floor_fwd_bwd}, repeats)
+            layer.zero_grad(set_to_none=True)
+            for phase, m in (("fwd", fwd), ("fwd+bwd", bwd)):
+                floor = min(m["grouped floor"], m["one-matmul floor"])
+                out.append({"threads": threads, "tokens": tokens, "phase": phase, "strategy": layer.strategy(x[0]),
+                            "seconds": m, "loop_over_library": m["per-expert loop"] / m["library"],
+                            "floor_ms": floor * 1e3, "library_over_floor": m["library"] / floor, "routed_over_floor": m["routed"] / floor,
+                            "steps_over_library": m["steps"] / m["library"]})
     return out
 
 
@@ -195,25 +264,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--per-token-tokens", type=int, default=256, help="tokens per timed per-token call")
-    parser.add_argument("--sweep", type=int, nargs="*", default=[64, 512, 4096])
+    parser.add_argument("--sweep", type=int, nargs="*", default=[64, 512, 4096, 16384])
+    parser.add_argument("--sweep-threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--sweep-only", action="store_true", help="only the sweep table (no main / workload tables)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("bench_moe.json"))
     args = parser.parse_args()
     if args.quick:
-        args.tokens, args.repeats, args.sweep = 512, 2, [64, 512]
+        args.tokens, args.repeats, args.sweep, args.sweep_threads = 512, 2, [64, 512], [1]
     apply_threads(args)
     per_token_tokens = min(args.per_token_tokens, args.tokens)
 
     torch.manual_seed(0)
     config = bench_config()
     layer = LatentMoE(config).eval()
-    load_before = os.getloadavg()
+    load_before, threads = os.getloadavg(), torch.get_num_threads()
     started = time.perf_counter()
-    main_result = main_table(layer, args.tokens, args.repeats, per_token_tokens)
-    sweep = sweep_table(layer, args.sweep, args.repeats)
-    workloads = workload_table(config, args.tokens, args.repeats)
+    main_result = None if args.sweep_only else main_table(layer, args.tokens, args.repeats, per_token_tokens)
+    workloads = None if args.sweep_only else workload_table(config, args.tokens, args.repeats)
+    sweep = sweep_table(layer, args.sweep, args.sweep_threads, args.repeats)
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "torch_threads": threads, "torch": torch.__version__,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                     "wall_s": time.perf_counter() - started},
         "config": {"E": config.moe.num_experts, "K": config.moe.top_k, "hidden": config.hidden_size,
@@ -226,30 +297,33 @@ def main() -> None:
 
 def print_tables(result: dict) -> None:
     m, main_result = result["machine"], result["main"]
-    print(f"torch {m['torch']}, {m['cores']} cores, {m['torch_threads']} threads, load average "
-          f"{m['loadavg_before'][0]:.1f} -> {m['loadavg_after'][0]:.1f}")
-    print(f"\nT={main_result['tokens']}: median ms, and time / grouped time "
-          f"(dense SwiGLU intermediate {main_result['dense_intermediate']})")
-    print(f"| variant | ms | x grouped |\n|---|---:|---:|\n| grouped | {main_result['seconds']['grouped'] * 1e3:.1f} | 1.00 |")
-    for name, ratio in main_result["speedup_of_grouped"].items():
-        print(f"| {name} | {main_result['seconds'][name] * 1e3:.1f} | {ratio:.2f} |")
-    print(f"(per-token loop: timed on {main_result['per_token_tokens_timed']} tokens per round and scaled; "
-          f"one untimed-round run over all T took {main_result['per_token_single_full_run_s'] * 1e3:.0f} ms)")
-    print("\n| T | grouped ms | per-expert loop ms | per-expert / grouped | fwd+bwd: grouped ms | per-expert loop ms "
-          "| per-expert / grouped |\n|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"torch {m['torch']}, {m['cores']} cores, load average {m['loadavg_before'][0]:.1f} -> "
+          f"{m['loadavg_after'][0]:.1f}")
+    if main_result is not None:
+        print(f"\nT={main_result['tokens']}, {m['torch_threads']} threads: median ms, and time / grouped time "
+              f"(dense SwiGLU intermediate {main_result['dense_intermediate']})")
+        print(f"| variant | ms | x grouped |\n|---|---:|---:|\n| grouped | {main_result['seconds']['grouped'] * 1e3:.1f} "
+              f"| 1.00 |")
+        for name, ratio in main_result["speedup_of_grouped"].items():
+            print(f"| {name} | {main_result['seconds'][name] * 1e3:.1f} | {ratio:.2f} |")
+        print(f"(per-token loop: timed on {main_result['per_token_tokens_timed']} tokens per round and scaled; "
+              f"one untimed-round run over all T took {main_result['per_token_single_full_run_s'] * 1e3:.0f} ms)")
+    print("\n| threads | T | pass | strategy | library ms | loop ms | floor ms | loop / library (>= 1) "
+          "| library / floor (<= 1.25 at 4096) | routed step / floor | steps / library |\n"
+          "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["sweep"]:
-        print(f"| {row['tokens']} | {row['grouped'] * 1e3:.2f} | {row['per-expert loop'] * 1e3:.2f} | "
-              f"{row['per_expert_over_grouped']:.2f} | {row['grouped fwd+bwd'] * 1e3:.2f} | "
-              f"{row['per-expert loop fwd+bwd'] * 1e3:.2f} | {row['per_expert_over_grouped_fwd_bwd']:.2f} |")
-    last = result["sweep"][-1]
-    print(f"T={last['tokens']} fwd+bwd: grouped / matmul floor "
-          f"{last['grouped fwd+bwd'] / last['matmul floor fwd+bwd']:.2f}")
-    print("\n| workload | max/mean | min/mean | dropped @ cf 1.25 | expert ms | x uniform | padded rows / rows |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
-    for row in result["workloads"]:
-        print(f"| {row['workload']} | {row['max_over_mean']:.2f} | {row['min_over_mean']:.2f} | "
-              f"{row['dropped_at_cf_1.25']:.3f} | {row['expert_ms']:.1f} | {row['time_vs_uniform']:.2f} | "
-              f"{row['padded_over_rows']:.2f} |")
+        sec = row["seconds"]
+        print(f"| {row['threads']} | {row['tokens']} | {row['phase']} | {row['strategy']} | {sec['library'] * 1e3:.1f} "
+              f"| {sec['per-expert loop'] * 1e3:.1f} | {row['floor_ms']:.1f} | {row['loop_over_library']:.2f} "
+              f"| {row['library_over_floor']:.2f} | {row['routed_over_floor']:.2f} "
+              f"| {row['steps_over_library']:.2f} |")
+    if result["workloads"] is not None:
+        print("\n| workload | max/mean | min/mean | dropped @ cf 1.25 | expert ms | x uniform | padded rows / rows |\n"
+              "|---|---:|---:|---:|---:|---:|---:|")
+        for row in result["workloads"]:
+            print(f"| {row['workload']} | {row['max_over_mean']:.2f} | {row['min_over_mean']:.2f} | "
+                  f"{row['dropped_at_cf_1.25']:.3f} | {row['expert_ms']:.1f} | {row['time_vs_uniform']:.2f} | "
+                  f"{row['padded_over_rows']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def _timed_phase(native, batches: list[torch.Tensor], warmup: int) -> dict:
     """Train `batches` (the first `warmup` untimed); counts of the warm-up, pairs per rank of the timed steps."""
     import torch.distributed as dist
 
-    from latentmoe_lab.native.expert_placement import pairs_per_rank, placed_layers
+    from latentmoe_lab.native.eplb import pairs_per_rank, placed_layers
     from latentmoe_lab.native.train import NativeTrainer
     from latentmoe_lab.native.traffic import CollectiveMeter, RoutingRecorder, plan_step_bytes
 
@@ -145,7 +145,7 @@ def eplb_worker(layout: NativeLayout, checkpoint: str, preset: str, batch: int, 
     warm-up counts, with E slots (a permutation) and with E + ep slots (one replica slot per rank)."""
     from latentmoe_lab.native.build import build_native
     from latentmoe_lab.native.layout import build_mesh
-    from latentmoe_lab.parallel.eplb import rebalance_experts
+    from latentmoe_lab.parallel.eplb.rebalance import rebalance_experts
     from latentmoe_lab.parallel.mesh import init_distributed
 
     init_distributed(300)

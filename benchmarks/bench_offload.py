@@ -23,7 +23,7 @@ from common import apply_threads, machine_info, make_parser, write_json
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.model import LatentMoEForCausalLM
-from latentmoe_lab.offload_tier import OffloadedPools
+from latentmoe_lab.serving.cache_tiers.offload_tier import OffloadedPools
 from latentmoe_lab.paged_pools import DSAPool, KDAPool, PagedPools
 from latentmoe_lab.quant.kv import kv_formats
 

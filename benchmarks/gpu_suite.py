@@ -244,7 +244,7 @@ def stage_profile(dry_run: bool, out: Path) -> list[dict]:
 
     from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
     from latentmoe_lab.profiling import label_seconds, load_chrome_trace, prefill_decode_profile, trace
-    from latentmoe_lab.profiling.workloads import decode_step, prefill_step
+    from latentmoe_lab.profiling.steps import decode_step, prefill_step
 
     preset, batch, prompt_len, steps = ("tiny", 1, 16, 2) if dry_run else ("small", 4, 2048, 32)
     device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)

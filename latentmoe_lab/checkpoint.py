@@ -39,7 +39,6 @@ from latentmoe_lab.checkpoint_dir import check_output_dir, swap_in, writing_temp
 from latentmoe_lab.checkpoint_integrity import CHECKSUMS_NAME, write_checksums
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.tokenizer_files import write_tokenizer_files
-from latentmoe_lab.textfile import read_text_file
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -132,6 +131,12 @@ def _is_checkpoint_file(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- loading
+def check_load_dtype(dtype) -> None:
+    """dtype: None or a floating torch.dtype (what a load may cast the floating parameters to)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
+
+
 def load_checkpoint(model_class: type, path: str | Path, dtype: torch.dtype | None = None,
                     device_map: str | dict | None = None, offload_folder: str | Path | None = None,
                     verify_checksums: bool = True) -> torch.nn.Module:
@@ -140,15 +145,12 @@ def load_checkpoint(model_class: type, path: str | Path, dtype: torch.dtype | No
     dtype: cast floating parameters (the router's fp32 correction bias stays fp32); device_map: None (all on
     CPU), "auto" or a {module name: device | "cpu" | "disk"} dict as accelerate takes it; offload_folder:
     where "disk" entries go; verify_checksums: False skips the SHA-256 of each file (sizes are still checked).
-    A quantized checkpoint (quantization_config in config.json) is loaded by quant.checkpoint.load_quantized.
+    Plain checkpoints only: from_pretrained (pretrained.py) sends a quantized one to quant/ instead.
     """
     from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
+    check_load_dtype(dtype)
     directory = resolve_checkpoint_dir(path)
-    if _is_quantized(directory):
-        return _load_quantized(directory, dtype, device_map, offload_folder, verify_checksums)
     checked = checked_files(directory)  # cheap, before building anything
     config = ModelConfig.from_json(directory / CONFIG_NAME)
     with init_empty_weights():
@@ -163,27 +165,6 @@ def load_checkpoint(model_class: type, path: str | Path, dtype: torch.dtype | No
                                          preload_module_classes=["DecoderBlock", "VisionTower"],
                                          offload_buffers=True)  # else an offloaded block keeps its init-time routing bias
     return model.eval()
-
-
-def _is_quantized(directory: Path) -> bool:
-    from latentmoe_lab.quant.checkpoint import QUANT_KEY
-
-    try:
-        data = json.loads(read_text_file(directory / CONFIG_NAME, "path"))
-    except ValueError:
-        return False  # ModelConfig.from_json reports what is wrong with the file
-    return isinstance(data, dict) and QUANT_KEY in data
-
-
-def _load_quantized(directory: Path, dtype, device_map, offload_folder, verify_checksums: bool) -> torch.nn.Module:
-    from latentmoe_lab.quant.checkpoint import load_quantized
-
-    given = [name for name, value in (("dtype", dtype), ("device_map", device_map),
-                                      ("offload_folder", offload_folder)) if value is not None]
-    if given:
-        raise ValueError(f"{given[0]}: {directory} is a quantized checkpoint, which loads on the CPU as saved; "
-                         f"leave {', '.join(given)} unset (or call latentmoe_lab.quant.checkpoint.load_quantized)")
-    return load_quantized(directory, verify_checksums=verify_checksums)
 
 
 def load_weights_into(model: torch.nn.Module, path: str | Path, verify_checksums: bool = True) -> Path:

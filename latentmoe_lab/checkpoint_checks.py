@@ -21,6 +21,7 @@ from latentmoe_lab.checkpoint_integrity import dtype_mismatch, read_json_file, s
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+QUANT_KEY = "quantization_config"  # in config.json: the quantization recipe of a quantized checkpoint (quant/)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 

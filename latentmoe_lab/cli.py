@@ -16,6 +16,7 @@ from collections.abc import Collection
 
 from latentmoe_lab import __version__
 from latentmoe_lab.config import PRESETS, ModelConfig
+from latentmoe_lab.config_presets import FULL_SCALE
 
 # Every subcommand, in the order `--help` lists them: the function that registers it (with the commands
 # registered next to it) and its one-line help. The top-level `--help`, `--version` and a mistyped command
@@ -36,12 +37,16 @@ COMMANDS = {
              "soak a server with mixed requests: RSS slope, drift, blocks == slots == 0 after drain"),
     "profile": ("latentmoe_lab.profiling.cli:add_parser",
                 "chrome trace + HTML summary of one prefill/decode/train/engine step"),
-    "plan-service": ("latentmoe_lab.serving.cli:add_parser",
+    "plan-service": ("latentmoe_lab.server.service_cli:add_parser",
                      "per-device memory plan of a service config (nothing is allocated)"),
-    "serve-bench": ("latentmoe_lab.serving.cli:add_parser",
+    "serve-bench": ("latentmoe_lab.server.service_cli:add_parser",
                     "run a synthetic workload through the serving engine and report latencies"),
+    "verify": ("latentmoe_lab.verify.cli:add_parser",
+               "check that a service file's engine reproduces the reference path on every state-moving path"),
     "ops": ("latentmoe_lab.porting.cli:add_parser",
             "operator inventory of a preset: ATen and custom ops per layer type, FLOPs and bytes (meta device)"),
+    "convert": ("latentmoe_lab.cli:add_convert_parser",
+                "convert a checkpoint between transformers' format (kimi_linear, deepseek_v32) and ours"),
     "export-notebook": ("latentmoe_lab.viz.export:add_parser",
                         "export executed notebooks to HTML pages that need no network"),
 }
@@ -108,7 +113,7 @@ def add_smoke_parser(sub) -> None:
                                        "decode greedily, and print parameters, tokens/s, per-layer expert load "
                                        "(also split by text and image tokens) and cache bytes. Also writes a "
                                        "self-contained HTML report with plotly charts.")
-    smoke.add_argument("--preset", default="tiny", choices=[p for p in sorted(PRESETS) if p != "k3-2.8t"],
+    smoke.add_argument("--preset", default="tiny", choices=[p for p in sorted(PRESETS) if p not in FULL_SCALE],
                        help="model preset (default: tiny)")
     smoke.add_argument("--prompt", default=DEFAULT_PROMPT,
                        help="prompt text (byte-level tokens); the image goes at an '<image>' marker, else first")
@@ -142,6 +147,30 @@ def add_parallel_parser(sub) -> None:
     add_layout_arguments(par)
     par.add_argument("--nproc", type=int, default=None, help="processes; must equal ep*tp*pp*dp*cp (default)")
     par.set_defaults(func=cmd_parallel)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from latentmoe_lab.interop.convert import convert
+    from latentmoe_lab.model import LatentMoEForCausalLM
+
+    out = convert(LatentMoEForCausalLM, args.source, args.out, to=args.to, model_type=args.model_type,
+                  max_shard_size=args.max_shard_size)
+    print(f"wrote {out}")
+    return 0
+
+
+def add_convert_parser(sub) -> None:
+    conv = sub.add_parser("convert", help=COMMANDS["convert"][1],
+                          description="Load SRC (a transformers kimi_linear / deepseek_v32 directory, or ours) and "
+                                      "write it to --out as ours (--to latentmoe) or as a transformers directory "
+                                      "(--to hf). What the target cannot express is refused before writing.")
+    conv.add_argument("source", metavar="SRC", help="checkpoint directory to read")
+    conv.add_argument("--out", required=True, help="directory to write")
+    conv.add_argument("--to", default="latentmoe", choices=["latentmoe", "hf"], help="target format (default: %(default)s)")
+    conv.add_argument("--model-type", default=None, help="with --to hf: kimi_linear or deepseek_v32 (default: the "
+                                                         "source's own, else by its layers)")
+    conv.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default: %(default)s)")
+    conv.set_defaults(func=cmd_convert)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

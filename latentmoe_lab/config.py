@@ -1,4 +1,7 @@
-"""Model configuration: nested dataclasses, presets, validation and JSON/YAML I/O.
+"""Model configuration: ModelConfig (the whole model), its validation and JSON/YAML I/O.
+
+The nested parts (KDAConfig, MLAConfig, ...) live in config_parts.py and the presets in config_presets.py;
+both are importable from here.
 
 Every field maps onto docs/design.md §1. `ModelConfig.validate()` runs on
 construction and raises ValueError naming the field and the rule it broke, so a
@@ -9,103 +12,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from latentmoe_lab.config_fields import ConfigTypeError, check_field_types, describe, key_name
+from latentmoe_lab.config_fields import check as _check
+from latentmoe_lab.config_parts import (BIAS_UPDATES, GATE_FORMS, MAX_KDA_CHUNK_SIZE, MOE_ACTIVATIONS, DSAConfig,
+                                        IndexerConfig, KDAConfig, MLAConfig, MoEConfig, VisionConfig)
+from latentmoe_lab.config_presets import PRESETS
 from latentmoe_lab.textfile import read_text_file
 from latentmoe_lab.yaml_loader import dump_yaml, errors_name_file, parse_yaml, read_yaml_file
 
-KDA, DSA = "kda", "dsa"
-GATE_FORMS = ("lower_bound", "softplus")
-# The chunked KDA form pads T up to whole chunks and does O(C^2) work per chunk (C x C decay and score
-# matrices, a C-row triangular solve), so the cost per token grows with C; the state hand-off it saves
-# costs O(d_k d_v / C) per token. Past a few hundred the quadratic part dominates (4096 made a 40-token
-# forward take 8 s), and the Triton kernel tiles at most 128 anyway (ops/kda.py).
-MAX_KDA_CHUNK_SIZE = 256
-
-
-@dataclass
-class KDAConfig:
-    """Kimi Delta Attention (docs/design.md §1.3)."""
-
-    num_heads: int = 96
-    head_dim_k: int = 128
-    head_dim_v: int = 128
-    conv_kernel: int = 4
-    gate_rank: int = 128  # low-rank forget gate: hidden -> gate_rank -> heads * head_dim_k
-    gate_form: str = "lower_bound"  # "lower_bound": lb * sigmoid(.) ; "softplus": -exp(A) softplus(.)
-    gate_lower_bound: float = -5.0
-    output_gate_rank: int | None = None  # None = full-rank output gate
-    chunk_size: int = 64
-
-
-@dataclass
-class MLAConfig:
-    """Multi-head latent attention inside Gated DSA (docs/design.md §1.4)."""
-
-    num_heads: int = 96
-    q_lora_rank: int = 1536
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64  # NoPE model: this part is carried but never rotated
-    v_head_dim: int = 128
-
-
-@dataclass
-class IndexerConfig:
-    """Lightning indexer and top-k selection of DSA (docs/design.md §1.4)."""
-
-    num_heads: int = 64
-    head_dim: int = 128
-    topk: int = 2048
-
-
-@dataclass
-class DSAConfig:
-    """Gated DSA layer options beyond MLA and the indexer (docs/design.md §15.2)."""
-
-    # DSA layers per lightning indexer: 1 = every DSA layer runs its own; k > 1 = of every k consecutive DSA
-    # layers only the first has an indexer, the next k - 1 reuse its top-k selection (no indexer weights and
-    # no index-key cache of their own).
-    index_share_every: int = 1
-
-
-@dataclass
-class MoEConfig:
-    """Stable LatentMoE (docs/design.md §1.2)."""
-
-    num_experts: int = 896
-    top_k: int = 16
-    num_shared_experts: int = 2
-    expert_intermediate_size: int = 3072
-    latent_size: int = 3584
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    bias_update_rate: float = 1e-3
-    aux_loss_alpha: float = 0.0
-    z_loss_coef: float = 0.0
-    activation_clamp: float | None = None
-
-
-@dataclass
-class VisionConfig:
-    """ViT-style vision tower (docs/design.md §1.5). Sizes follow a SigLIP-so400m-class encoder."""
-
-    patch_size: int = 14
-    in_channels: int = 3
-    hidden_size: int = 1152
-    num_layers: int = 27
-    num_heads: int = 16
-    intermediate_size: int = 4304
-    merge_size: int = 2  # 2x2 patch merger
-    # Token ids the text side uses for an image span: start, one placeholder per merged patch, end.
-    # The defaults are the byte tokenizer's first free ids (latentmoe_lab.tokenizer.SPECIAL_TOKENS).
-    image_token_id: int = 256
-    image_start_id: int = 257
-    image_end_id: int = 258
+KDA, DSA = "kda", "dsa"  # the two kinds of attention layer (layer_types)
 
 
 @dataclass
@@ -119,6 +39,8 @@ class ModelConfig:
     max_position_embeddings: int = 1_048_576
     first_dense_layers: int = 1
     dense_intermediate_size: int = 33792
+    # The dense FFN's activation: "swiglu", or "situ" with moe.situ_beta_gate / _up (K3's layer 0, §18)
+    dense_activation: str = "swiglu"
     dsa_interval: int = 4  # Gated DSA at 1-based layers interval, 2*interval, ...
     final_layer_dsa: bool = True  # ... and always at the last layer
     layer_types: list[str] | None = None
@@ -126,6 +48,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
     mtp_depth: int = 0  # multi-token prediction depths (docs/design.md §12, mtp.py); 0 = no MTP head
+    attn_res_block_size: int | None = None  # Block AttnRes, layers per block (K3: 12); None = plain residuals (§18)
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
@@ -171,6 +94,8 @@ class ModelConfig:
     @property
     def num_indexer_layers(self) -> int:
         """DSA layers that run their own lightning indexer (and cache index keys)."""
+        if not self.dsa.use_indexer:
+            return 0
         return -(-self.num_dsa_layers // self.dsa.index_share_every)
 
     # -------------------------------------------------------------- validation
@@ -186,7 +111,7 @@ class ModelConfig:
             "kda.num_heads": self.kda.num_heads, "kda.head_dim_k": self.kda.head_dim_k,
             "kda.head_dim_v": self.kda.head_dim_v, "kda.conv_kernel": self.kda.conv_kernel,
             "kda.gate_rank": self.kda.gate_rank, "kda.chunk_size": self.kda.chunk_size,
-            "mla.num_heads": self.mla.num_heads, "mla.q_lora_rank": self.mla.q_lora_rank,
+            "mla.num_heads": self.mla.num_heads,
             "mla.kv_lora_rank": self.mla.kv_lora_rank, "mla.qk_nope_head_dim": self.mla.qk_nope_head_dim,
             "mla.v_head_dim": self.mla.v_head_dim, "indexer.num_heads": self.indexer.num_heads,
             "indexer.head_dim": self.indexer.head_dim, "indexer.topk": self.indexer.topk,
@@ -242,15 +167,38 @@ class ModelConfig:
         _check(m.z_loss_coef >= 0, "moe.z_loss_coef", "must be >= 0")
         _check(m.activation_clamp is None or m.activation_clamp > 0, "moe.activation_clamp",
                "must be None or > 0")
+        _check(m.activation in MOE_ACTIVATIONS, "moe.activation",
+               f"must be one of {MOE_ACTIVATIONS}, got {describe(m.activation)}")
+        for name in ("situ_beta_gate", "situ_beta_up"):
+            value = getattr(m, name)
+            _check(math.isfinite(value) and value > 0, f"moe.{name}", f"must be a finite number > 0, got {value!r}")
+        _check(m.activation != "situ" or m.activation_clamp is None, "moe.activation_clamp",
+               "must be None with moe.activation 'situ' (SiTU bounds both factors itself)")
+        _check(self.dense_activation in MOE_ACTIVATIONS, "dense_activation",
+               f"must be one of {MOE_ACTIVATIONS}, got {describe(self.dense_activation)}")
+        _check(m.bias_update in BIAS_UPDATES, "moe.bias_update",
+               f"must be one of {BIAS_UPDATES}, got {describe(m.bias_update)}")
+        _check(self.attn_res_block_size is None or self.attn_res_block_size >= 1, "attn_res_block_size",
+               f"must be None (plain residuals) or a positive integer (layers per block), "
+               f"got {describe(self.attn_res_block_size)}")
 
         _check(self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim > 0, "mla.qk_nope_head_dim",
                "query/key head dim (nope + rope) must be > 0")
         _check(self.mla.kv_lora_rank <= self.hidden_size, "mla.kv_lora_rank",
                f"({self.mla.kv_lora_rank}) must not exceed hidden_size ({self.hidden_size})")
-        _check(self.mla.q_lora_rank <= self.hidden_size, "mla.q_lora_rank",
-               f"({self.mla.q_lora_rank}) must not exceed hidden_size ({self.hidden_size})")
+        q_rank = self.mla.q_lora_rank
+        _check(q_rank is None or (q_rank >= 1 and q_rank <= self.hidden_size), "mla.q_lora_rank",
+               f"must be None (no q LoRA) or a positive integer <= hidden_size ({self.hidden_size}), got {q_rank}")
+        _check(q_rank is not None or not self.dsa.use_indexer or not self.num_dsa_layers, "mla.q_lora_rank",
+               "None needs dsa.use_indexer False (the indexer's queries come from the q LoRA latent)")
+        _check(self.mla.latent_norm_eps is None or self.mla.latent_norm_eps > 0, "mla.latent_norm_eps",
+               f"must be None (rms_norm_eps) or > 0, got {self.mla.latent_norm_eps}")
+        _check(m.latent_projection or m.latent_size == self.hidden_size, "moe.latent_size",
+               f"({m.latent_size}) must equal hidden_size ({self.hidden_size}) with moe.latent_projection False "
+               "(the experts run at the hidden width)")
         _check(self.indexer.topk <= self.max_position_embeddings, "indexer.topk",
                f"({self.indexer.topk}) must not exceed max_position_embeddings ({self.max_position_embeddings})")
+        _check_rope(self.mla, self.indexer)
 
         if self.vision is not None:
             v = self.vision
@@ -355,9 +303,34 @@ def default_layer_types(num_layers: int, dsa_interval: int, final_layer_dsa: boo
     return types
 
 
-def _check(ok: bool, name: str, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}: {rule}")
+_YARN_DEFAULTS = {name: MLAConfig.__dataclass_fields__[name].default for name in MLAConfig.__dataclass_fields__
+                  if name.startswith("yarn_")}
+ROPE_KINDS = ("none", "rope", "yarn")
+
+
+def _check_rope(mla: MLAConfig, indexer: IndexerConfig) -> None:
+    """mla.rope and its parameters (ops/rotary.py): a parameter away from its default needs the rope that reads it."""
+    _check(mla.rope in ROPE_KINDS, "mla.rope", f"must be one of {ROPE_KINDS}, got {describe(mla.rope)}")
+    if mla.rope == "none":
+        _check(mla.rope_theta == 10000.0, "mla.rope_theta", "is set but mla.rope is 'none' (NoPE)")
+    else:
+        _check(mla.qk_rope_head_dim >= 2 and mla.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim",
+               f"RoPE rotates pairs: must be even and >= 2, got {mla.qk_rope_head_dim}")
+        _check(mla.rope_theta > 1, "mla.rope_theta", f"must be > 1, got {mla.rope_theta}")
+        _check(indexer.head_dim >= mla.qk_rope_head_dim, "indexer.head_dim",
+               f"({indexer.head_dim}) must hold the qk_rope_head_dim ({mla.qk_rope_head_dim}) dims RoPE rotates")
+    if mla.rope != "yarn":
+        for name, default in _YARN_DEFAULTS.items():
+            _check(getattr(mla, name) == default, f"mla.{name}", f"is set but mla.rope is {mla.rope!r}, not 'yarn'")
+        return
+    _check(mla.yarn_factor >= 1, "mla.yarn_factor", f"must be >= 1, got {mla.yarn_factor}")
+    _check(mla.yarn_original_max_position is not None and mla.yarn_original_max_position >= 1,
+           "mla.yarn_original_max_position", "YaRN needs the pre-training context length (a positive integer)")
+    _check(mla.yarn_beta_fast > 0 and mla.yarn_beta_slow > 0, "mla.yarn_beta_fast", "beta_fast, beta_slow must be > 0")
+    for name in ("yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
+        _check(getattr(mla, name) is None or getattr(mla, name) >= 0, f"mla.{name}", "must be None or >= 0")
+
+
 
 
 def _parse(text: str, language: str) -> Any:
@@ -390,46 +363,3 @@ def _from_dict(cls, data: dict[str, Any], prefix: str):
             if isinstance(kwargs.get(name), dict):
                 kwargs[name] = _from_dict(nested, kwargs[name], prefix=f"{name}.")
     return cls(**kwargs)
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Every mechanism on, small enough that a 256-token forward takes a fraction of a second.
-    "tiny": dict(
-        name="tiny", vocab_size=512, hidden_size=64, num_layers=4, max_position_embeddings=4096,
-        first_dense_layers=1, dense_intermediate_size=128,
-        kda=dict(num_heads=2, head_dim_k=16, head_dim_v=16, conv_kernel=4, gate_rank=8, chunk_size=16),
-        mla=dict(num_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                 v_head_dim=16),
-        indexer=dict(num_heads=2, head_dim=16, topk=32),
-        moe=dict(num_experts=8, top_k=2, num_shared_experts=1, expert_intermediate_size=32, latent_size=32,
-                 n_group=4, topk_group=2),
-        vision=dict(patch_size=14, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64),
-    ),
-    # ~7M parameters (~2M active per token), every mechanism on: `latentmoe-lab train` on 2 CPU cores.
-    # Byte vocabulary (256 bytes + the 4 specials, rounded up); chunk 32 keeps the KDA backward cheap.
-    "mini": dict(
-        name="mini", vocab_size=384, hidden_size=192, num_layers=4, max_position_embeddings=8192,
-        first_dense_layers=1, dense_intermediate_size=576,
-        kda=dict(num_heads=3, head_dim_k=64, head_dim_v=64, conv_kernel=4, gate_rank=32, chunk_size=32),
-        mla=dict(num_heads=3, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                 v_head_dim=64),
-        indexer=dict(num_heads=2, head_dim=32, topk=64),
-        moe=dict(num_experts=16, top_k=2, num_shared_experts=1, expert_intermediate_size=384, latent_size=96,
-                 n_group=4, topk_group=2),
-        vision=dict(patch_size=14, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
-    ),
-    # 50-150M parameters: trainable for a few steps on a CPU.
-    "small": dict(
-        name="small", vocab_size=32768, hidden_size=512, num_layers=8, max_position_embeddings=65536,
-        first_dense_layers=1, dense_intermediate_size=1536,
-        kda=dict(num_heads=4, head_dim_k=128, head_dim_v=128, conv_kernel=4, gate_rank=32),
-        mla=dict(num_heads=4, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                 v_head_dim=64),
-        indexer=dict(num_heads=4, head_dim=64, topk=256),
-        moe=dict(num_experts=32, top_k=4, num_shared_experts=1, expert_intermediate_size=384, latent_size=256,
-                 n_group=4, topk_group=2),
-        vision=dict(patch_size=14, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768),
-    ),
-    # The full-scale table of docs/design.md §1.1.
-    "k3-2.8t": dict(name="k3-2.8t"),
-}

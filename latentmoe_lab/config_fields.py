@@ -11,6 +11,9 @@ configs raise an error naming the field):
     a config class     an instance of it (dicts are converted before the check)
     X | None           None or X
 
+Value rules (ranges, choices, agreement between keys) go through check / check_choice /
+check_positive_int here, the one set every section uses.
+
 Messages show values through describe(): at most MAX_SHOWN_CHARS characters, so a value nested
 without bound is never walked whole, and an int of thousands of digits (which refuses to become a
 string) is shown by its size.
@@ -63,6 +66,30 @@ class _ShortRepr(reprlib.Repr):
 _SHORT_REPR = _ShortRepr()
 _SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 40, 40
 _SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxdict = _SHORT_REPR.maxset = 4
+
+
+def check(ok: bool, path: str, rule: str) -> None:
+    """The one value check of every config section: ValueError "<path>: <rule>" unless `ok`."""
+    if not ok:
+        raise ValueError(f"{path}: {rule}")
+
+
+def check_choice(path: str, value, choices: tuple[str, ...]) -> None:
+    check(value in choices, path, f"must be one of {list(choices)}, got {describe(value)}")
+
+
+def check_positive_int(path: str, value: int) -> None:
+    check(value >= 1, path, f"must be a positive integer, got {describe(value)}")
+
+
+def section_from_dict(section_cls, values: dict, path: str):
+    """The config section `section_cls` of a mapping from a file, an unknown key named by its `path`
+    ("memory.offload.hot_rows: unknown key; expected some of [...]"); types and ranges are checked after."""
+    known = [f.name for f in dataclasses.fields(section_cls)]
+    for key in values:
+        if key not in known:
+            raise ValueError(f"{path}.{key_name(key)}: unknown key; expected some of {known}")
+    return section_cls(**values)
 
 
 def check_field_types(obj, prefix: str = "") -> None:

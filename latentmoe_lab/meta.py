@@ -12,46 +12,21 @@ from __future__ import annotations
 from accelerate import init_empty_weights
 
 from latentmoe_lab.config import ModelConfig
-
-COMPONENTS = ("embeddings", "kda", "mla", "indexer", "router", "latent_projection", "routed_experts",
-              "shared_experts", "dense_ffn", "norms", "vision", "mtp")
+from latentmoe_lab.model import LatentMoEForCausalLM
+from latentmoe_lab.param_components import COMPONENTS, component_of
 
 # Bits per weight. MXFP4: 4-bit values plus one 8-bit shared scale per block of 32.
 # FP8: 8 bits plus one fp32 scale per 128x128 block.
 BITS_PER_WEIGHT = {"bf16": 16.0, "fp8": 8.0 + 32.0 / (128 * 128), "mxfp4": 4.0 + 8.0 / 32}
 
-PUBLISHED = {"k3-2.8t": {"total": 2.78e12, "active": 104e9}}
+# k3-public: the K3 report's Table 1 (arXiv 2607.24653: 2.78T total, 104.2B activated).
+PUBLISHED = {"k3-2.8t": {"total": 2.78e12, "active": 104e9}, "k3-public": {"total": 2.78e12, "active": 104.2e9}}
 
 
 def build_meta_model(config: ModelConfig):
     """The full model with parameters on the meta device (shapes only, no storage)."""
-    from latentmoe_lab.model import LatentMoEForCausalLM
-
     with init_empty_weights(include_buffers=True):  # also puts torch.empty & co. on meta
         return LatentMoEForCausalLM(config)
-
-
-def component_of(param_name: str, model) -> str:
-    """Map a parameter name of LatentMoEForCausalLM to one of COMPONENTS."""
-    parts = param_name.split(".")
-    if parts[0] == "vision":
-        return "vision"
-    if parts[0] in ("embed_tokens", "lm_head"):
-        return "embeddings"
-    if parts[0] == "mtp":  # the multi-token prediction head (mtp.py): drafting and training only
-        return "mtp"
-    if parts[0] == "norm" or parts[2] in ("attn_norm", "ffn_norm"):
-        return "norms"
-    block = model.layers[int(parts[1])]
-    where, child = parts[2], parts[3]
-    if where == "attn":
-        if block.attention_type == "kda":
-            return "kda"
-        return "indexer" if child == "indexer" else "mla"
-    if not block.is_moe:
-        return "dense_ffn"
-    return {"router": "router", "experts": "routed_experts", "shared": "shared_experts"}.get(
-        child, "latent_projection")
 
 
 def count_parameters(config: ModelConfig) -> dict:

@@ -10,7 +10,8 @@ dense SwiGLU, not LatentMoE: the routing-bias update, the expert-load records an
 concern the main layers only. E and LMHead are the main model's, shared. Image placeholder tokens enter
 through their token embedding (the vision features replace them in the main model only).
 Training: mtp_loss = the mean over depths of each depth's cross-entropy; the trainer adds it weighted.
-Drafting (serving/spec/drafters.py) runs the depths token by token, each over a DSALayerCache of its own.
+Drafting (serving/spec/): mtp_drafter.py runs one request's depths over a DSALayerCache each; mtp_batched.py
+runs every drafting request of a step together over a paged DSAPool per depth.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from torch import nn
 
 from latentmoe_lab.cache import DSALayerCache
 from latentmoe_lab.config import ModelConfig
+from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.layers.norm import RMSNorm
+from latentmoe_lab.paged_pools import DSAPool
 
 IGNORE_INDEX = -100
 
@@ -40,13 +43,16 @@ class MTPDepth(nn.Module):
         self.norm = RMSNorm(d, eps)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cache: DSALayerCache | None = None,
-                sequence_start: torch.Tensor | None = None) -> torch.Tensor:
+                sequence_start: torch.Tensor | None = None, batch: ForwardBatch | None = None,
+                pool: DSAPool | None = None) -> torch.Tensor:
         """hidden [B, T, d] (depth k-1 at t), next_embeds [B, T, d] (E x[t + k]) -> h_k [B, T, d].
 
         cache: this depth's DSA cache (drafting); the T rows continue it. sequence_start [B, T]: packed rows.
+        batch + pool: the paged form (the batched drafter, serving/spec/mtp_batched.py), B = 1 and T the rows
+        of batch's sequences back to back, continuing from this depth's DSAPool.
         """
         x = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embeds)], dim=-1))
-        return self.block(x, cache, sequence_start)
+        return self.block(x, cache, sequence_start, batch=batch, pool=pool)
 
 
 class MultiTokenPredictor(nn.Module):

@@ -29,6 +29,7 @@ host tier (docs/design.md §15.1).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -63,6 +64,7 @@ class PlainFormat:
 class DSAPool:
     """One DSA layer's token storage: latent rows [c_kv | k_rope] and index-key rows, both by flat position."""
 
+    offloaded: ClassVar[bool] = False  # True in a host-tier pool (serving/cache_tiers/offload_tier.py)
     latent: torch.Tensor
     index: torch.Tensor
     latent_format: object
@@ -150,6 +152,8 @@ class PagedPools:
     dtype: conv tails and the default PlainFormat; KDA states are fp32 whatever it is.
     """
 
+    offloaded: ClassVar[bool] = False  # True for OffloadedPools (serving/cache_tiers/offload_tier.py)
+
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
                  dtype: torch.dtype = torch.float32, device=None, latent_format=None, index_format=None):
         self.latent_format, self.index_format = _check_arguments(config, num_blocks, block_size, num_slots, dtype,
@@ -160,7 +164,7 @@ class PagedPools:
         self.layers: list[DSAPool | KDAPool] = []
         for layer_idx, kind in enumerate(config.layer_types):
             if kind == DSA:
-                self.layers.append(self._dsa_pool(d, config.index_source(layer_idx) == layer_idx))
+                self.layers.append(self._dsa_pool(d, config.dsa.use_indexer and config.index_source(layer_idx) == layer_idx))
             else:
                 state = torch.zeros(num_slots, d["heads"], d["d_k"], d["d_v"], dtype=torch.float32, device=self.device)
                 conv = torch.zeros(num_slots, d["channels"], d["history"], dtype=dtype, device=self.device)

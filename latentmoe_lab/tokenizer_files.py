@@ -5,7 +5,7 @@
     DIR/special_tokens_map.json  the special tokens by role
 
 Both libraries then give ByteTokenizer's ids: id = UTF-8 byte value for any text, ids 256..259 for the special
-tokens of the image spans and padding. How:
+tokens of the image spans and padding, and 260 for "<bos>", declared as bos_token. How:
 
 - a BPE model with the 256 bytes as its vocabulary and no merges, so every byte is one token;
 - a ByteLevel pre-tokenizer, which turns each UTF-8 byte into one printable character (the GPT-2 table,
@@ -16,9 +16,15 @@ tokens of the image spans and padding. How:
   ByteTokenizer.encode and on the server (the multimodal processor, not the tokenizer, turns image markers
   into spans). transformers makes every declared special token matchable in text, hence
   `split_special_tokens: true` in tokenizer_config.json;
-- no normalizer and no post-processor (no BOS / EOS are added), and no clean-up of spaces on decode.
+- no normalizer and no post-processor (no BOS / EOS are added), and no clean-up of spaces on decode;
+- bos_token "<bos>" (id 260): lm-eval scores a loglikelihood with an empty context, and every window of a
+  loglikelihood_rolling (perplexity) task, after the tokenizer's BOS (else its EOS) token, and sends null when
+  the files declare neither. The model never trained on it (training sees bytes only), so the first token of
+  a document is scored after an untrained embedding row; lm-eval's `custom_prefix_token_id=10` scores it after
+  "\n", the byte every training document follows, instead. No eos_token is declared: lm-eval would add its
+  text to every generate_until request's stop strings, and the model ends no text with it.
 
-Ids from 260 up to the model's vocab_size (padding of the embedding table) are outside these files;
+Ids from 261 up to the model's vocab_size (padding of the embedding table) are outside these files;
 ByteTokenizer decodes them as '?'.
 
 The JSON is written by hand, so saving a checkpoint needs neither library (both are in the dev extra).
@@ -28,7 +34,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from latentmoe_lab.tokenizer import NUM_BYTES, PAD_TOKEN_ID, SPECIAL_TOKENS
+from latentmoe_lab.tokenizer import BOS_TOKEN_ID, NUM_BYTES, PAD_TOKEN_ID, SPECIAL_TOKENS
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -37,7 +43,8 @@ TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FIL
 
 _BYTE_LEVEL = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
 _PAD_NAME = next(name for name, token_id in SPECIAL_TOKENS.items() if token_id == PAD_TOKEN_ID)
-_IMAGE_NAMES = [name for name in SPECIAL_TOKENS if name != _PAD_NAME]
+_BOS_NAME = next(name for name, token_id in SPECIAL_TOKENS.items() if token_id == BOS_TOKEN_ID)
+_IMAGE_NAMES = [name for name in SPECIAL_TOKENS if name not in (_PAD_NAME, _BOS_NAME)]
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -72,7 +79,7 @@ def tokenizer_json() -> dict:
 
 
 def special_tokens_map() -> dict:
-    return {"pad_token": _PAD_NAME, "additional_special_tokens": list(_IMAGE_NAMES)}
+    return {"bos_token": _BOS_NAME, "pad_token": _PAD_NAME, "additional_special_tokens": list(_IMAGE_NAMES)}
 
 
 def tokenizer_config(model_max_length: int) -> dict:

@@ -90,19 +90,25 @@ def trained_or_none(directory: str | Path) -> Path | None:
     return directory if (directory / "config.json").is_file() else None
 
 
+def no_model_demo_line(directory: str | Path) -> str:
+    """The demo's one line when no trained model exists: what to run to make one."""
+    return (f"no trained model at {directory} yet: `make model` trains one (~6 min on 2 cores), "
+            f"then `make demo` shows its completion of {DEMO_PROMPT!r}")
+
+
 def demo(directory: str | Path = DEFAULT_DIR, new_tokens: int = 160) -> str:
-    """The announcement and a greedy completion of DEMO_PROMPT by the trained model (or the random tiny one)."""
-    from latentmoe_lab.config import ModelConfig
+    """A greedy completion of DEMO_PROMPT by the trained model, after a line naming it; without one, the one
+    line of no_model_demo_line (a random model's completion is byte noise: nothing to show)."""
     from latentmoe_lab.model import LatentMoEForCausalLM
     from latentmoe_lab.training.lm import greedy_sample
 
     found = trained_or_none(directory)
-    if found is not None:
-        model, line = LatentMoEForCausalLM.from_pretrained(found, dtype=torch.float32), announce(found)
-    else:
-        torch.manual_seed(0)
-        model, line = LatentMoEForCausalLM(ModelConfig.from_preset("tiny")), no_checkpoint_line(directory, "tiny")
-    return line + "\n" + greedy_sample(model, new_tokens, DEMO_PROMPT)
+    if found is None:
+        return no_model_demo_line(directory)
+    model = LatentMoEForCausalLM.from_pretrained(found, dtype=torch.float32)
+    details = describe(found)
+    line = f"greedy completion by {found}" + (f" ({details})" if details else "")
+    return line + ":\n" + greedy_sample(model, new_tokens, DEMO_PROMPT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@
 # 2. top-k with group limits;
 # 3. load heatmaps per layer and expert;
 # 4. six imbalance workloads and what they cost;
-# 5. a real training run: bias update vs auxiliary loss vs nothing;
+# 5. a real training run: bias update vs auxiliary loss vs nothing, and K3's quantile rule vs the sign rule;
 # 6. the latent trade-off alpha = d / l, with a slider;
 # 7. what 896 experts with top-16 put on each device under expert parallelism.
 
@@ -43,12 +43,12 @@ from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.analysis import expert_parallel_ranks, iso_communication, latent_tradeoff, measure_workloads
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.meta import format_bytes, format_count
-from latentmoe_lab.ops.balancing import load_stats
+from latentmoe_lab.ops.balancing import bias_update, expert_counts, load_stats, quantile_bias
 from latentmoe_lab.ops.routing import route_topk
-from latentmoe_lab.training.balance import balance_config, compare_balancing
+from latentmoe_lab.training.balance import balance_config, compare_balancing, train_balancing
 from latentmoe_lab.viz import expert_load_figure
 from latentmoe_lab.viz import routing as viz
-from latentmoe_lab.workloads import WORKLOADS, make_workload
+from latentmoe_lab.routing_workloads import WORKLOADS, make_workload
 from latentmoe_lab.viz.notebook import explorer, use_notebook_renderer
 
 use_notebook_renderer()  # figures also render in exported HTML and on GitHub
@@ -151,7 +151,7 @@ expert_load_figure([layer.last_expert_counts.tolist() for layer in moe_layers.va
 #
 # ## 4. Imbalance workloads
 #
-# `latentmoe_lab.workloads` builds router logits that make `route_topk` pick exactly a designed expert set
+# `latentmoe_lab.routing_workloads` builds router logits that make `route_topk` pick exactly a designed expert set
 # per token (the tests check it token by token). At E = 64, top-8:
 #
 # | workload | what it models |
@@ -236,6 +236,61 @@ expert_load_figure(runs[mode].final_counts.tolist(), runs[mode].layer_labels,
 # because its balancing pressure does not compete with the language loss; on this toy task the losses
 # of the three runs stay close.
 #
+# ## 5b. K3's quantile rule against the sign rule
+#
+# The published K3 moves the bias differently (docs/design.md §18). After a step, each expert's bias is
+# set, not nudged: to minus the $(1 - K/E)$-quantile of that expert's sigmoid scores over the batch, then
+# all biases are mean-centred:
+# $b_i \leftarrow \overline{Q} - Q_{1-K/E}(s_{:,i})$. An expert's biased score then clears one common
+# threshold on exactly its balanced share $K/E$ of the tokens. The sign rule moves every bias by the same
+# $u$ per step, however far off the load is; the quantile rule jumps to the balancing value at once.
+#
+# First on the six imbalance workloads: one update from the batch's own scores, then route the same
+# batch again (`ops.balancing.quantile_bias`; `bias_update` for the sign step at the full-scale rate).
+
+# %%
+rule_loads = {"no bias": [], "one sign step (u = 1e-3)": [], "one quantile update": []}
+for workload in workloads:
+    k = workload.expected.shape[1]
+    _, chosen = route_topk(workload.logits, k)
+    counts = expert_counts(chosen, workload.num_experts)
+    biases = {"no bias": None,
+              "one sign step (u = 1e-3)": bias_update(torch.zeros(workload.num_experts), counts, 1e-3),
+              "one quantile update": quantile_bias(torch.sigmoid(workload.logits), k)}
+    for rule, bias in biases.items():
+        _, rerouted = route_topk(workload.logits, k, bias=bias)
+        rule_loads[rule].append(load_stats(expert_counts(rerouted, workload.num_experts)).max_over_mean)
+for rule, values in rule_loads.items():
+    print(f"{rule:<26}", "  ".join(f"{name} {v:.2f}" for name, v in zip(WORKLOADS, values)))
+viz.bias_rule_figure(list(WORKLOADS), rule_loads)
+
+# %% [markdown]
+# Then in training, from the same weights on the same batches as section 5: mode "bias" with the sign
+# rule (the run above) and with the quantile rule (`moe.bias_update: quantile`).
+
+# %%
+quantile_config = balance_config("tiny", aux_loss_alpha=0.01, bias_update_rate=1e-2, bias_update="quantile")
+quantile_run = train_balancing("bias", config=quantile_config, steps=BALANCE_STEPS, batch=BALANCE_BATCH,
+                               seq_len=BALANCE_SEQ, tail=max(BALANCE_STEPS // 10, 1))
+rule_runs = {"none": runs["none"], "bias, sign rule": runs["bias"], "bias, quantile rule": quantile_run}
+for rule, run in rule_runs.items():
+    curve = run.mean_max_over_mean
+    print(f"{rule:>20}: max/mean last {window} steps {curve[-window:].mean():.2f}, "
+          f"loss last {window} steps {run.loss[-window:].mean():.2f}")
+viz.balancing_figure({rule: run.mean_max_over_mean.tolist() for rule, run in rule_runs.items()},
+                     {rule: run.loss.tolist() for rule, run in rule_runs.items()},
+                     title="Sign rule vs quantile rule (mean over MoE layers)")
+
+# %% [markdown]
+# On the workloads one quantile update brings every one of them close to max/mean 1, where one sign step
+# moves nothing (a step of u cannot cross a score gap of ~0.7). In training the quantile rule needs no
+# rate and pulls the load down in fewer steps than the sign rule, which needs about gap / u steps. Its
+# bias follows the batch, so a small batch makes it noisy: each update is a quantile estimated from the
+# batch's N = 512 tokens here, and late in this run it can hover a little above the sign rule. At scale
+# the batch holds millions of tokens. Under data parallelism each rank computes its quantiles and the
+# biases are averaged (training/lm.py), which keeps one bias on every rank.
+
+# %% [markdown]
 # ## 6. Latent trade-off: alpha = d / l
 #
 # The token travels to its experts in the latent size $l$, not the hidden size $d$. With

@@ -24,7 +24,8 @@
 # 5. the lightning indexer, its top-k pattern, and a short warm-up that teaches it dense attention;
 # 6. sparse against dense attention cost;
 # 7. why 3 KDA layers for every Gated DSA layer, in compute and memory per token from 4k to 1M tokens;
-# 8. an explorer over context length and ratio.
+# 8. an explorer over context length and ratio;
+# 9. Block Attention Residuals: what each sublayer reads from, over depth, after a short training run.
 
 # %% tags=["parameters"]
 import os
@@ -35,6 +36,7 @@ INDEXER_STEPS = 20 if SMOKE else 300  # section 5: warm-up steps on the tiny con
 DECODE_PRESET = "tiny" if SMOKE else "small"  # section 6: the layer timed live
 DECODE_CONTEXTS = [64, 256] if SMOKE else [1024, 4096, 16384]
 DECODE_STEPS = 3 if SMOKE else 20
+ATTNRES_STEPS = 4 if SMOKE else 300  # section 9: training steps of the small AttnRes model
 
 # %%
 import math
@@ -44,8 +46,9 @@ import time
 import ipywidgets
 import torch
 
-from latentmoe_lab import ModelConfig
+from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.analysis.attention_cost import dsa_cost, gqa_cache_bytes, hybrid_cost, kda_cost, ratio_table
+from latentmoe_lab.analysis.depth_mix import attn_res_depth_weights
 from latentmoe_lab.cache import DSALayerCache
 from latentmoe_lab.layers.dsa import GatedDSA
 from latentmoe_lab.layers.kda import KimiDeltaAttention
@@ -53,6 +56,7 @@ from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.ops.kda import kda_chunked, kda_recurrent
 from latentmoe_lab.ops.norms import l2_norm
 from latentmoe_lab.ops.sparse_attention import select_topk
+from latentmoe_lab.training.corpus import load_corpus, pack
 from latentmoe_lab.training.indexer import (indexer_scores_and_target, peaked_layer, synthetic_hidden_states,
                                             topk_recall, train_indexer)
 from latentmoe_lab.viz import attention as viz
@@ -334,3 +338,53 @@ def explore(context_log2: int = 20, kda_per_dsa: str = "3"):
 explorer(explore, context_log2=ipywidgets.IntSlider(value=20, min=12, max=20, description="log2 S"),
          kda_per_dsa=ipywidgets.Dropdown(options=["0", "1", "2", "3", "5", "7", "15", "all KDA"], value="3",
                                          description="KDA : DSA"))
+
+# %% [markdown]
+# ## 9. Block Attention Residuals: reading over depth
+#
+# The published K3 replaces the residual sum (docs/design.md §18, arXiv 2603.15031). Layers are grouped in
+# blocks of N (12 in K3); inside a block the sublayer outputs add up into a *partial sum*, and before the
+# attention and before the MLP of every layer the input is a softmax mix over the **candidates**: the
+# embedding, every finished block, and the current partial sum,
+# $h = \sum_i \operatorname{softmax}_i(q \cdot \operatorname{RMSNorm}(v_i))\, v_i$, with one learned
+# query $q$ per sublayer (zero at the start: a plain mean). One more mix feeds the final norm. Every
+# candidate is a vector of the token itself, so the mix never looks at other positions: decode, chunked
+# prefill and the serving engine need nothing new in their caches.
+#
+# Below, an 8-layer version of the tiny preset with blocks of 2 layers trains for a few minutes on the
+# standard library's source bytes; the heatmap shows, for each sublayer, the mean weight it puts on each
+# candidate over held-out tokens.
+
+# %%
+attn_res_config = ModelConfig.from_preset("tiny").replace(num_layers=8, layer_types=None, attn_res_block_size=2,
+                                                          vision=None, name="tiny-attnres")
+torch.manual_seed(0)
+attn_res_model = LatentMoEForCausalLM(attn_res_config)
+corpus = load_corpus(verbose=False)
+train_rows, held_rows = pack(corpus.train, 65).long(), pack(corpus.held_out, 65).long()
+optimizer = torch.optim.AdamW(attn_res_model.parameters(), lr=3e-3)
+started = time.perf_counter()
+for step in range(ATTNRES_STEPS):
+    rows = train_rows[torch.randint(0, len(train_rows), (8,), generator=torch.Generator().manual_seed(step))]
+    out = attn_res_model(rows[:, :-1], labels=rows[:, :-1])
+    optimizer.zero_grad(set_to_none=True)
+    (out.loss + out.aux_loss).backward()
+    optimizer.step()
+    for block in attn_res_model.layers:
+        if block.is_moe:
+            block.ffn.update_bias(block.ffn.last_expert_counts)
+attn_res_model.eval()
+with torch.no_grad():
+    held_loss = attn_res_model(held_rows[:16, :-1], labels=held_rows[:16, :-1]).loss
+print(f"{ATTNRES_STEPS} steps in {time.perf_counter() - started:.0f} s; held-out loss {float(held_loss):.3f} "
+      f"nats/byte ({float(held_loss) / math.log(2):.3f} bits/byte)")
+depth = attn_res_depth_weights(attn_res_model, held_rows[:16, :-1])
+viz.depth_weights_figure(depth.weights, depth.sublayers, depth.sources)
+
+# %% [markdown]
+# How to read it: row "layer j attention" is the input of layer j's attention, a distribution over the
+# candidates that exist at that depth (blank cells do not exist yet; right after a block boundary the
+# partial sum is empty, so it is no candidate). An untrained model puts equal weight on each candidate;
+# after training the rows differ from sublayer to sublayer, which is the point of a learned, per-sublayer
+# query: a sublayer can skip the plain running sum and read an earlier block, or the embedding, directly.
+# What the pattern looks like depends on the run: a few minutes on one CPU thread is a sketch, not K3.

@@ -499,7 +499,7 @@ for dims, what in carried.items():
 # %% [markdown]
 # ## 9. Expert-parallel load balancing
 #
-# With expert parallelism a step lasts as long as its busiest rank. `parallel/eplb.py`'s
+# With expert parallelism a step lasts as long as its busiest rank. `parallel/eplb/rebalance.py`'s
 # `rebalance_experts` (docs/design.md §14) copies the hottest experts into redundant slots and packs the
 # slots onto ranks so every rank carries about the same load. Below: the six imbalance workloads at K3
 # scale (896 experts, top-16, EP64; the expert ids shuffled per layer), balancedness = mean / max tokens
@@ -508,11 +508,11 @@ for dims, what in carried.items():
 # %%
 import plotly.graph_objects as go
 
-from latentmoe_lab.parallel.eplb import default_placement, rebalance_experts
-from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder, balance_metrics, rank_loads
-from latentmoe_lab.parallel.eplb_plan import workload_loads
-from latentmoe_lab.parallel.eplb_serving import OnlineBalancer
-from latentmoe_lab.workloads import WORKLOADS, make_workload
+from latentmoe_lab.parallel.eplb.load import ExpertLoadRecorder, balance_metrics, rank_loads
+from latentmoe_lab.parallel.eplb.online import OnlineBalancer
+from latentmoe_lab.parallel.eplb.plan import workload_loads
+from latentmoe_lab.parallel.eplb.rebalance import default_placement, rebalance_experts
+from latentmoe_lab.routing_workloads import WORKLOADS, make_workload
 
 EPLB_LAYERS = 4 if SMOKE else 92  # MoE layers of the K3 table
 

@@ -116,7 +116,7 @@ viz.top_ops_figure(rows)
 # ## 4. A trace to open
 #
 # `latentmoe_lab.profiling.trace(fn, path)` calls `fn` once to warm up, then once under `torch.profiler`,
-# and writes the profiler's chrome trace. The callables come from `profiling/workloads.py`: `prefill_step`
+# and writes the profiler's chrome trace. The callables come from `profiling/steps.py`: `prefill_step`
 # (a fresh cache, the whole prompt in one forward) and `decode_step` (the prompt prefilled once, then one
 # token per call). Every layer opens a `record_function` span around each step (`attn.kda`,
 # `attn.dsa.indexer`, `attn.dsa.attend`, `moe.route`, `moe.dispatch`, `moe.experts`, `moe.combine`,
@@ -130,7 +130,7 @@ from pathlib import Path
 
 from latentmoe_lab.profiling import load_chrome_trace, trace
 from latentmoe_lab.profiling.summary import trace_summary, write_trace_summary
-from latentmoe_lab.profiling.workloads import decode_step, prefill_step
+from latentmoe_lab.profiling.steps import decode_step, prefill_step
 
 # smoke runs (the tests) write to a temporary folder; a full run keeps its traces next to this notebook
 # (notebooks/reports/profile; printed relative to it, so the saved output names no folder of this machine)

@@ -51,7 +51,7 @@ from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.invariance import recorded_logits
 from latentmoe_lab.serving.service_plan import per_sequence_bytes, per_sequence_text, service_plan_text
-from latentmoe_lab.serving.workload import run_workload, synthetic_workload
+from latentmoe_lab.serving.bench_workload import run_workload, synthetic_workload
 from latentmoe_lab.viz import serving as viz
 from latentmoe_lab.viz.notebook import use_notebook_renderer
 
@@ -283,7 +283,7 @@ from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.hardware import HARDWARE
 from latentmoe_lab.parallel.planner import EXAMPLE_LAYOUTS
 from latentmoe_lab.parallel.roofline import decode_roofline, decode_roofline_text
-from latentmoe_lab.serving.offload_plan import request_tier_text
+from latentmoe_lab.serving.cache_tiers.offload_plan import request_tier_text
 
 HOT_ROWS = 2 * config.indexer.topk
 
@@ -302,8 +302,8 @@ tiered = Engine(model, offload_service())
 tier_tokens = [o.token_ids for o in tiered.generate(tier_prompts, tier_params, use_tqdm=False)]
 print("same tokens with and without the host tier:", tier_tokens == plain_tokens)
 print(tiered.plan.table())
-print({kind: format_bytes(value) for kind, value in tiered.pools.nbytes().items()})
-print(tiered.pools.stats())
+print({kind: format_bytes(value) for kind, value in tiered.runner.pools.nbytes().items()})
+print(tiered.runner.pools.stats())
 
 # %% [markdown]
 # Bytes moved per decode step against the context length: one request at a time, 16 decode steps each,
@@ -317,15 +317,15 @@ for context in contexts:
     engine = Engine(model, offload_service())
     engine.add_request(torch.randint(0, config.vocab_size, (context,)).tolist(), SamplingParams(max_tokens=17))
     engine.step()
-    while engine.scheduler.num_unfinished and engine.pools.stats()["rows_moved"] == 0:
+    while engine.scheduler.num_unfinished and engine.runner.pools.stats()["rows_moved"] == 0:
         engine.step()  # the prompt's chunks, up to the first decode (it fills the hot buffer)
     counts = []
     while engine.scheduler.num_unfinished:
-        before = engine.pools.stats()["rows_moved"]
+        before = engine.runner.pools.stats()["rows_moved"]
         engine.step()
-        counts.append(engine.pools.stats()["rows_moved"] - before)
+        counts.append(engine.runner.pools.stats()["rows_moved"] - before)
     moved_per_step[context] = sum(counts) / max(1, len(counts))
-row_bytes = tiered.pools.layers[config.layer_types.index("dsa")].hot.row_bytes
+row_bytes = tiered.runner.pools.layers[config.layer_types.index("dsa")].hot.row_bytes
 topk_rows = config.num_dsa_layers * config.indexer.topk
 for context, rows in moved_per_step.items():
     print(f"context {context:>5}: {rows:5.1f} of {topk_rows} top-k rows moved per decode step "

@@ -147,7 +147,7 @@ full = model.generate(torch.tensor([prompt]), 16)[0].tolist()
 engine = Engine(model, service("ngram"))
 engine.speculator.drafter = KnowsTheAnswer(full)
 request = engine.add_request(prompt, SamplingParams(max_tokens=12))
-seq = engine._sequences[request]
+seq = engine.sequence(request)
 rows = []
 while engine.has_unfinished():
     slot, spares, drafts = seq.slot, list(seq.spare_slots), len(seq.draft_ids)

@@ -7,9 +7,9 @@ from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.paged_pools import DSAPool, KDAPool
 from latentmoe_lab.quant.kv_cache import quantized_kv_cache
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
-from latentmoe_lab.serving.disagg import (NoRoomError, decode, encode, held_sequence, import_request, prefill_step,
+from latentmoe_lab.serving.transport import (NoRoomError, decode, encode, held_sequence, import_request, prefill_step,
                                           release_exported)
-from latentmoe_lab.serving.disagg.pool_rows import flat_positions
+from latentmoe_lab.serving.transport.pool_rows import flat_positions
 
 NEW_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS)
@@ -60,7 +60,7 @@ def assert_pools_equal(prefill, prefill_seq, decode_engine, decode_seq) -> None:
     n = len(prefill_seq.prompt_ids)
     src = flat_positions(prefill_seq.block_table, prefill.block_manager.block_size, n)
     dst = flat_positions(decode_seq.block_table, decode_engine.block_manager.block_size, n)
-    for a, b in zip(prefill.pools.layers, decode_engine.pools.layers):
+    for a, b in zip(prefill.runner.pools.layers, decode_engine.runner.pools.layers):
         if isinstance(a, DSAPool):
             for got, want in zip(b.read(dst), a.read(src)):  # index keys: None in a layer sharing another's
                 assert (got is None and want is None) or torch.equal(got, want)
@@ -92,7 +92,7 @@ def run_1p1d(prefill: Engine, decode_engine: Engine, prompts, check_pools: bool 
             transfers.append((cache.num_tokens, payload))
             if check_pools:
                 assert_pools_equal(prefill, held_sequence(prefill, cache.request_id), decode_engine,
-                                   decode_engine._sequences[decode_id])
+                                   decode_engine.sequence(decode_id))
             release_exported(prefill, cache.request_id)
             decode_index[decode_id] = index_of[cache.request_id]
         if decode_engine.has_unfinished():

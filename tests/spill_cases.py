@@ -4,12 +4,40 @@ three 256-token prefixes taking turns, so every second visit of a prefix finds i
 import pytest
 import torch
 
+from latentmoe_lab.paged_pools import DSAPool
 from latentmoe_lab.serving import SamplingParams, ServiceConfig
 from latentmoe_lab.serving.invariance import recorded_logits
 from latentmoe_lab.serving.planner import pools_bytes
 
 PARAMS = SamplingParams(max_tokens=3)
 BLOCK = 64
+
+
+def block_views(pools, kind: str, index: int) -> dict[str, torch.Tensor]:
+    """Views of in-process pools as a spill entry names them: block `index` in every DSA layer ("rows") or row
+    `index` of every KDA layer ("kda"), for tests that fill and inspect the pools (cache_tiers/spill_blocks.py)."""
+    views = {}
+    for i, pool in enumerate(pools.layers):
+        if kind == "rows" and isinstance(pool, DSAPool):
+            views[f"layer{i}.latent"] = pool.latent[index]
+            if pool.index.shape[0]:  # a layer reusing another's selection keeps no keys (dsa.index_share_every)
+                views[f"layer{i}.index"] = pool.index[index]
+        elif kind == "kda" and not isinstance(pool, DSAPool):
+            views |= {f"layer{i}.state": pool.state[index], f"layer{i}.conv": pool.conv[index]}
+    return views
+
+
+def pool_store(pools):
+    """The spill's store (RunnerBlocks) over in-process pools, as an engine's ModelRunner gives it its pools."""
+    from latentmoe_lab.serving.cache_tiers.spill_blocks import RunnerBlocks
+    from latentmoe_lab.serving.model_runner import LocalPools
+
+    return RunnerBlocks(pools.config, pools, LocalPools(pools))
+
+
+def view_shapes(pools, kind: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of block_views(pools, kind, 0): what a spill entry of the pools holds."""
+    return {name: (t.dtype, tuple(t.shape)) for name, t in block_views(pools, kind, 0).items()}
 
 
 def spill_service(model, prefix_cache=None, parallel=None, prefix=True, kv_cache_dtype="auto", offload=None,

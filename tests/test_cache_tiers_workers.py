@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
+from latentmoe_lab.serving.cache_tiers.spill_blocks import KDA, ROWS
 from latentmoe_lab.serving.planner import allocate_pools, plan_cache
-from latentmoe_lab.serving.prefix_spill_workers import KDA, ROWS, LocalPoolBlocks, WorkerPoolBlocks
+from latentmoe_lab.serving.workers.parallel_runner import ParallelRunner
 
-from spill_cases import BLOCK, PARAMS, prompts, serve, spill_service  # noqa: F401
+from spill_cases import BLOCK, PARAMS, prompts, serve, spill_service, view_shapes  # noqa: F401
 
 FORWARD_PROCESS = {"forward_process": True}
 OFFLOAD = {"host_cache_bytes": 2_000_000, "hot_rows_per_layer": 40}  # tiny's indexer keeps 32 rows
@@ -50,7 +51,7 @@ def test_offload_on_a_forward_process_gives_the_plain_tokens_and_counts_its_rows
         engine.close()
     reference = model.generate(torch.tensor([prompts[0]]), max_new_tokens=6)[0, len(prompts[0]):].tolist()
     assert workers == plain and workers[0] == reference
-    assert engine.pools is None and engine.stages[0].plan.hot_rows == 40  # the worker built OffloadedPools
+    assert engine.runner.pools is None and engine.stages[0].plan.hot_rows == 40  # the worker built OffloadedPools
     counted = {key: value for key, value in stats.items() if key.startswith("offload_")}
     assert counted == {key: value for key, value in here.stats().items() if key.startswith("offload_")}
     assert counted["offload_rows_moved"] > 0 and counted["offload_host_read_rows"] > 0
@@ -85,7 +86,7 @@ def served_and_closed(engine, prompts):
 @pytest.mark.parametrize("tier, prefix_cache", [("host", {"host_bytes": 1 << 20}), ("disk", {"host_bytes": 0})])
 def test_a_spilled_hit_on_a_forward_process_equals_a_fresh_run(model, prompts, fresh, tmp_path, tier, prefix_cache):
     engine = Engine(model, spill_service(model, prefix_cache | {"disk_dir": str(tmp_path)}, FORWARD_PROCESS))
-    assert isinstance(engine.block_manager.store, WorkerPoolBlocks)
+    assert isinstance(engine.block_manager.store.runner, ParallelRunner)
     run, stats = served_and_closed(engine, prompts)
     assert_like_fresh(run, fresh)
     assert stats[f"prefix_hits_{tier}"] == 3 and stats["prefix_hit_tokens"] == 3 * 4 * BLOCK
@@ -113,11 +114,11 @@ def test_a_disk_spill_written_in_process_serves_a_forward_process(model, prompts
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # fp8: quantized latent rows, block-planar index keys
 def test_entries_round_trip_through_the_workers_byte_for_byte(model, kv_cache_dtype):
     service = spill_service(model, {"host_bytes": 1 << 20}, FORWARD_PROCESS, kv_cache_dtype=kv_cache_dtype)
-    local = LocalPoolBlocks(allocate_pools(model.config, plan_cache(model.config, service)), BLOCK)
+    local = allocate_pools(model.config, plan_cache(model.config, service))  # the pools in one process
     engine = Engine(model, service)
     try:
         store = engine.block_manager.store
-        assert store.shapes(ROWS) == local.shapes(ROWS) and store.shapes(KDA) == local.shapes(KDA)
+        assert store.shapes(ROWS) == view_shapes(local, ROWS) and store.shapes(KDA) == view_shapes(local, KDA)
         g = torch.Generator().manual_seed(5)
         def random_entry(kind):  # random bytes, whatever the dtype (fp8 codes, scales, fp32 states)
             return {name: torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), generator=g,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from latentmoe_lab.tokenizer import ByteTokenizer
-from latentmoe_lab.training.corpus import batch_rows, encode, is_held_out, load_corpus, pack, source_files
+from latentmoe_lab.training.corpus import Corpus, batch_rows, encode, is_held_out, load_corpus, pack, source_files
 
 
 @pytest.fixture
@@ -56,7 +56,10 @@ def test_the_running_interpreters_stdlib(capsys):
     corpus = load_corpus()
     assert 0.005 < corpus.held_out.numel() / (corpus.train.numel() + corpus.held_out.numel()) < 0.05
     assert "os.py" in corpus.train_files + corpus.held_out_files
-    assert "corpus:" in capsys.readouterr().out
+    assert f"(sha256 {corpus.digest()})" in capsys.readouterr().out
+    held_out_changed = Corpus(corpus.root, corpus.train, corpus.held_out.clone().fill_(32), corpus.train_files,
+                              corpus.held_out_files)
+    assert len(corpus.digest()) == 12 and held_out_changed.digest() != corpus.digest()
 
 
 def test_pack_and_batch_rows():

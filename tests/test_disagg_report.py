@@ -10,7 +10,7 @@ import yaml
 
 from latentmoe_lab.cli import main
 from latentmoe_lab.report import Data, html_report, read_report_data
-from latentmoe_lab.report_disagg import DATA_NAME
+from latentmoe_lab.server.disagg_report import DATA_NAME
 
 SERVICE = {"model": {"name": "tiny-pd", "preset": "tiny", "max_model_len": 256},
            "parallel": {"forward_threads": 1},
@@ -120,7 +120,7 @@ def test_step_records_split_prefill_and_decode_tokens_as_the_engine_counts_them(
 
 def test_the_workload_has_the_same_prompts_with_or_without_a_vision_tower():
     """serve-bench on a disaggregated service (text only) runs the colocated run's prompts at --image-fraction 0."""
-    from latentmoe_lab.serving.workload import synthetic_workload
+    from latentmoe_lab.serving.bench_workload import synthetic_workload
 
     runs = [synthetic_workload(12, 4.0, 8, 300, 4, 0.0, 256, seed=3, has_vision=vision) for vision in (True, False)]
     assert [(r.arrival, r.prompt) for r in runs[0]] == [(r.arrival, r.prompt) for r in runs[1]]

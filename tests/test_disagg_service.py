@@ -41,6 +41,32 @@ def reference():
     return {p: out.token_ids for p, out in zip(PROMPTS, outs)}
 
 
+SCORE = {"model": "tiny-pd", "prompt": "import os\nimport sys\n", "max_tokens": 0, "echo": True, "logprobs": 1}
+
+
+@pytest.fixture(scope="module")
+def colocated_score():
+    """The colocated server's answer to SCORE: the prompt with its logprobs (echo + max_tokens 0 scores it)."""
+    with start_service(BASE) as (served, _):
+        reply = httpx.post(served.url + "/v1/completions", json=SCORE, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def _scores_the_prompt_as_colocated(url: str, colocated: dict) -> None:
+    """echo + max_tokens 0 + logprobs through P/D: the prompt's logprobs, as the colocated server gives them
+    (it used to answer 200 with an empty text, tokens and logprobs)."""
+    reply = httpx.post(url + "/v1/completions", json=SCORE, timeout=60)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["text"] == colocated["text"] == SCORE["prompt"]
+    ours, theirs = choice["logprobs"], colocated["logprobs"]
+    assert ours["tokens"] == theirs["tokens"] and len(ours["tokens"]) == len(SCORE["prompt"])
+    assert ours["text_offset"] == theirs["text_offset"]
+    assert ours["token_logprobs"][0] is None and theirs["token_logprobs"][0] is None
+    assert ours["token_logprobs"][1:] == pytest.approx(theirs["token_logprobs"][1:], abs=1e-5)
+
+
 def _complete_all(url: str, stream_index: int | None = None) -> dict:
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
     results = {}
@@ -81,8 +107,9 @@ def _metric(url: str, name: str, **labels) -> float:
     raise AssertionError(f"{name} {labels} not in /metrics")
 
 
-def test_one_endpoint_over_1p1d_equals_colocated_and_generate(reference):
+def test_one_endpoint_over_1p1d_equals_colocated_and_generate(reference, colocated_score):
     with start_service(SERVICE) as (served, worker):
+        _scores_the_prompt_as_colocated(served.url, colocated_score)
         results = _complete_all(served.url, stream_index=2)
         health = _drained(served.url)
         assert results == reference
@@ -202,10 +229,23 @@ def _write(tmp_path, disaggregation: dict) -> str:
     ({"decode": {"serve": {}}}, "disaggregation.decode.serve:"),
     ({"transport": "tcp"}, "disaggregation.transport:"),
     ({"decode_instances": 0}, "disaggregation.decode_instances:"),
+    # sizes this host cannot hold, refused before any instance allocates (they used to pass the check)
+    ({"decode": {"memory": {"cache_bytes": 10**15}}}, "disaggregation.decode.memory.cache_bytes: 1000000000000000"),
+    ({"prefill_instances": 10**6}, "disaggregation.prefill_instances: at most 64"),
 ])
 def test_a_role_config_that_cannot_work_is_refused_naming_the_key(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         load_service_file(_write(tmp_path, overrides))
+
+
+def test_instances_whose_pools_together_exceed_the_host_are_refused(tmp_path):
+    """Each instance's pools fit alone; 64 of them do not."""
+    from latentmoe_lab.serving.host_limits import available_memory_bytes
+
+    each = available_memory_bytes() // 32
+    with pytest.raises(ValueError, match=r"disaggregation\.prefill_instances: 64 prefill \+ 1 decode instance "
+                                         r"processes hold .* more than the .* available on this host"):
+        load_service_file(_write(tmp_path, {"prefill_instances": 64, "prefill": {"memory": {"cache_bytes": each}}}))
 
 
 def test_roles_whose_cache_formats_resolve_alike_are_accepted(tmp_path):

@@ -10,10 +10,11 @@ from disagg_cases import NEW_TOKENS, PARAMS, model, prompts, reference_tokens, r
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
-from latentmoe_lab.serving.disagg import (NoRoomError, TransferError, bytes_per_request, decode, encode,
+from latentmoe_lab.serving.logprobs import TokenLogprob
+from latentmoe_lab.serving.transport import (NoRoomError, TransferError, bytes_per_request, decode, encode,
                                           export_request, held_requests, import_request, prefill_step,
                                           release_exported, transfer_bytes_by_kind, waiting_for_ack)
-from latentmoe_lab.serving.disagg.wire import payload_tensor_bytes
+from latentmoe_lab.serving.transport.wire import payload_tensor_bytes
 from latentmoe_lab.serving.service_plan import service_plan_text
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
@@ -76,7 +77,7 @@ def test_host_tier_and_shared_indexer(prompts):
     prefill, decode_engine = Engine(model, offload), Engine(model, offload)
     outputs, transfers = run_1p1d(prefill, decode_engine, chosen)
     assert [o.token_ids for o in outputs] == expected
-    assert decode_engine.pools.stats()["rows_moved"] > 0  # decodes read through the hot buffers
+    assert decode_engine.runner.pools.stats()["rows_moved"] > 0  # decodes read through the hot buffers
     for prompt_len, payload in transfers:
         cache = decode(payload)
         assert cache.dsa_latent.shape[0] == 2 and cache.dsa_index.shape[0] == 1
@@ -121,6 +122,35 @@ def test_corrupted_payload_is_refused(model):
     body = payload[:-32].replace(b'"dtype":"float32"', b'"dtype":"object!"', 1)
     with pytest.raises(TransferError, match="kda_state: dtype 'object!' is not one of"):
         decode(body + hashlib.sha256(body).digest())
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("nan_logprob", r"^logprobs: a logprob must be a number <= 0"),
+    ("positive_prompt_logprob", r"^prompt_logprobs: a logprob must be a number <= 0"),
+    ("huge_kda_state", r"^kda_state: values must be finite and at most 1e\+06"),
+    ("nan_conv_tail", r"^kda_conv: values must be finite"),
+    ("zero_generator", r"^generator_state: not a state torch's generator takes"),
+    ("ff_generator", r"^generator_state: not a state torch's generator takes"),
+])
+def test_a_correctly_signed_payload_with_garbage_values_is_refused(model, damage, message):
+    """A buggy sender signs its garbage too: the values are checked, not only the checksum (they used to be
+    imported, or to raise a RuntimeError that would end the decode instance)."""
+    engine, _, cache = _one_cache(model)
+    if damage == "nan_logprob":
+        cache.logprobs = [TokenLogprob(cache.first_token, float("nan"))]
+    elif damage == "positive_prompt_logprob":
+        cache.prompt_logprobs = [TokenLogprob(5, 0.5)]
+    elif damage == "huge_kda_state":
+        cache.kda_state = torch.full_like(cache.kda_state, 1e30)
+    elif damage == "nan_conv_tail":
+        cache.kda_conv = torch.full_like(cache.kda_conv, float("nan"))
+    else:
+        cache.generator_state = torch.full_like(cache.generator_state, 0 if damage == "zero_generator" else 0xFF)
+    received = decode(encode(cache))  # signed by the sender: the checksum holds
+    decode_engine = Engine(model, service("fp8"))
+    with pytest.raises(ValueError, match=message):
+        import_request(decode_engine, received)
+    assert decode_engine.block_manager.blocks_used == decode_engine.block_manager.slots_used == 0
 
 
 def test_mismatched_checkpoint_or_cache_dtype_is_refused(model):

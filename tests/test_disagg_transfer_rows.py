@@ -1,14 +1,14 @@
-"""A request's pool rows as stored bytes (serving/disagg/pool_rows.py) against the formats' own read path:
+"""A request's pool rows as stored bytes (serving/transport/pool_rows.py) against the formats' own read path:
 bytes moved between pools of other block sizes and positions read back as the same values, every format."""
 import pytest
 import torch
 
 from latentmoe_lab.config import DSA, ModelConfig
-from latentmoe_lab.offload_tier import OffloadedPools
+from latentmoe_lab.serving.cache_tiers.offload_tier import OffloadedPools
 from latentmoe_lab.paged_pools import PagedPools, PlainFormat
 from latentmoe_lab.quant.kv_index import QuantizedIndexFormat
 from latentmoe_lab.quant.kv_mla import QuantizedLatentFormat
-from latentmoe_lab.serving.disagg.pool_rows import (read_request_rows, read_token_bytes, token_byte_offsets,
+from latentmoe_lab.serving.transport.pool_rows import (read_request_rows, read_token_bytes, token_byte_offsets,
                                                     write_request_rows, write_token_bytes)
 
 FORMATS = {"fp32": lambda dim: PlainFormat(torch.float32), "bf16": lambda dim: PlainFormat(torch.bfloat16),

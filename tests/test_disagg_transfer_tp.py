@@ -5,8 +5,8 @@ import torch
 
 from disagg_cases import PARAMS, model, prompts, run_1p1d, service  # noqa: F401
 from latentmoe_lab.serving import Engine
-from latentmoe_lab.serving.disagg import decode, export_request, release_exported
-from latentmoe_lab.serving.disagg.tp_rows import gather_heads, slice_heads
+from latentmoe_lab.serving.transport import decode, export_request, release_exported
+from latentmoe_lab.serving.transport.tp_rows import gather_heads, slice_heads
 
 def test_tp2_prefill_to_tp1_decode(model, prompts):
     """A tensor-parallel prefill's KDA heads are gathered from its two ranks; a TP1 decode finishes the requests."""
@@ -22,7 +22,7 @@ def test_tp2_prefill_to_tp1_decode(model, prompts):
     # the gathered state is the one-process state up to the TP reductions' rounding (a misplaced head is O(1))
     one = Engine(model, service("fp8"))
     request = one.add_request(chosen[2], PARAMS)
-    while not one._sequences[request].generated_ids:
+    while not one.sequence(request).generated_ids:
         one.step()
     alone = export_request(one, request)
     gathered = next(decode(payload) for n, payload in transfers if n == len(chosen[2]))

@@ -1,11 +1,12 @@
-"""The expert-parallel load balancer (parallel/eplb.py) and its metrics (parallel/eplb_load.py)."""
+"""The expert-parallel load balancer (parallel/eplb/rebalance.py) and its metrics (parallel/eplb/load.py)."""
 import pytest
 import torch
 
-from latentmoe_lab.parallel.eplb import balanced_packing, default_placement, rebalance_experts, replicate_experts
-from latentmoe_lab.parallel.eplb_load import balance_metrics, rank_loads
-from latentmoe_lab.parallel.eplb_plan import workload_loads
-from latentmoe_lab.workloads import WORKLOADS, make_workload
+from latentmoe_lab.parallel.eplb.load import balance_metrics, rank_loads
+from latentmoe_lab.parallel.eplb.plan import workload_loads
+from latentmoe_lab.parallel.eplb.rebalance import (balanced_packing, default_placement, rebalance_experts,
+                                                   replicate_experts)
+from latentmoe_lab.routing_workloads import WORKLOADS, make_workload
 
 # The public load balancer's documented example: two layers of 12 experts, 16 slots, 4 groups, 2 nodes, 8 ranks.
 EXAMPLE_WEIGHT = torch.tensor([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
@@ -73,10 +74,18 @@ def test_building_blocks():
     ((-EXAMPLE_WEIGHT, 16, 4, 2, 8), "weight"),
     ((EXAMPLE_WEIGHT, 16, 4, 2, 0), "num_ranks"),
     ((EXAMPLE_WEIGHT, 16, 4, 2, 8, "yes"), "refine"),
+    ((EXAMPLE_WEIGHT, 104, 4, 2, 8), "num_replicas"),   # more than one replica of each expert per rank (96)
+    ((EXAMPLE_WEIGHT, 10 ** 6, 4, 2, 8), "num_replicas"),  # once ran for minutes: refused at once
 ])
 def test_bad_input_names_the_argument(args, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         rebalance_experts(*args)
+
+
+def test_huge_finite_float64_loads_are_balanced_not_refused():
+    # checked in their own dtype: 1e300 is finite in float64 (a float32 cast made it inf and refused it)
+    phy2log, _, logcnt = rebalance_experts(EXAMPLE_WEIGHT.double() * 1e298, 16, 4, 2, 8)
+    assert torch.equal(phy2log, EXAMPLE_PHY2LOG) and (logcnt.sum(-1) == 16).all()
 
 
 def test_metrics_reduce_over_ranks_not_layers():

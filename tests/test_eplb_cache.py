@@ -1,4 +1,4 @@
-"""Expert caching from recorded traffic (parallel/offload.py + parallel/eplb_load.py): the recorder's hot
+"""Expert caching from recorded traffic (parallel/offload.py + parallel/eplb/load.py): the recorder's hot
 experts stay resident, and on the same traffic that reads fewer bytes from disk than the default policy."""
 import copy
 
@@ -7,7 +7,7 @@ import torch
 
 from latentmoe_lab import LatentMoEForCausalLM
 from latentmoe_lab.layers.moe import LatentMoE
-from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder
+from latentmoe_lab.parallel.eplb.load import ExpertLoadRecorder
 from latentmoe_lab.parallel.offload import offload_experts, offload_stats
 
 

@@ -1,11 +1,11 @@
-"""The balancer on paper (parallel/eplb_plan.py) and the planner's redundant expert slots."""
+"""The balancer on paper (parallel/eplb/plan.py) and the planner's redundant expert slots."""
 import pytest
 import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.meta import BITS_PER_WEIGHT
 from latentmoe_lab.parallel.config import ParallelConfig
-from latentmoe_lab.parallel.eplb_plan import plan_placement, workload_loads
+from latentmoe_lab.parallel.eplb.plan import plan_placement, workload_loads
 from latentmoe_lab.parallel.hardware import HARDWARE, SERVE_128K
 from latentmoe_lab.parallel.planner import plan_layout
 

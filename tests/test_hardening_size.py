@@ -6,7 +6,7 @@ import torch
 from accelerate import init_empty_weights
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
-from latentmoe_lab.model import _min_parameters, _parameters_land_on_meta
+from latentmoe_lab.size_guard import _min_parameters, _parameters_land_on_meta
 
 
 # three full-scale layers (two MoE layers of 896 experts, ~240 GB in fp32) instead of 93: the same refusal, faster

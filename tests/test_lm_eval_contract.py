@@ -8,6 +8,7 @@ logprob (to 1e-4) and whether it is greedy, each greedy completion's text, and s
 No network: the data are local JSONL files and the Hugging Face libraries run offline.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,11 +23,11 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.server.protocol import render_chat
 from latentmoe_lab.server.threaded import free_port
-from latentmoe_lab.tokenizer import ByteTokenizer
+from latentmoe_lab.tokenizer import BOS_TOKEN_ID, ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "tests" / "data" / "lm_eval_tasks"
-MC_TASK, GEN_TASK = "latentmoe_mc_python", "latentmoe_gen_python"
+MC_TASK, GEN_TASK, PPL_TASK = "latentmoe_mc_python", "latentmoe_gen_python", "latentmoe_ppl_python"
 SERVED_NAME = "tiny-eval"  # the checkpoint directory's name, which serve answers to
 SERVICE_YAML = """model: {preset: tiny, max_model_len: 512}
 memory: {max_num_seqs: 8, block_size: 16, cache_bytes: 8000000}
@@ -177,3 +178,35 @@ def test_local_chat_completions_generations_equal_the_models(server, evaluate, r
         [GEN_TASK], apply_chat_template=True)
     # lm-eval logs a chat request as [messages as JSON]; the server renders them with its chat template
     _check_generations(results, greedy, render=lambda request: render_chat(json.loads(request[0])))
+
+
+@torch.no_grad()
+def _after_bos(checkpoint: Path, text: str) -> float:
+    """The summed logprob of text's bytes after the checkpoint's bos_token, from the weights' own logits."""
+    model = LatentMoEForCausalLM.from_pretrained(checkpoint)
+    ids = [BOS_TOKEN_ID, *text.encode()]
+    logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    return float(logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum())
+
+
+def test_perplexity_and_an_empty_context_score_after_the_tokenizers_bos(server, checkpoint, evaluate):
+    """loglikelihood_rolling (every perplexity task) and an empty-context loglikelihood need a prefix token:
+    the checkpoint's tokenizer files declare bos_token "<bos>", so lm-eval sends its id, not null (a 400)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    model_args = {"base_url": server + "/v1/completions", "model": SERVED_NAME, "tokenizer": str(checkpoint),
+                  "tokenizer_backend": "huggingface", "max_retries": 1}
+    results = evaluate("local-completions", model_args, [PPL_TASK])
+    log_likelihoods, total_bytes = [], 0
+    for sample in _samples(results, PPL_TASK):
+        text = sample["doc"]["text"]
+        log_likelihoods.append(_after_bos(checkpoint, text))
+        assert sample["resps"][0][0] == pytest.approx(log_likelihoods[-1], abs=1e-4), text
+        total_bytes += len(text.encode())
+    bits_per_byte = -sum(log_likelihoods) / total_bytes / math.log(2)
+    assert results["results"][PPL_TASK]["bits_per_byte,none"] == pytest.approx(bits_per_byte, rel=1e-5)
+    lm = get_model("local-completions")(**model_args)
+    request = Instance(request_type="loglikelihood", doc={}, arguments=("", "def f():"), idx=0)
+    [(score, _)] = lm.loglikelihood([request])
+    assert score == pytest.approx(_after_bos(checkpoint, "def f():"), abs=1e-4)

@@ -1,4 +1,4 @@
-"""An EPLB placement on the native EP layout (latentmoe_lab/native/expert_placement.py, docs/design.md §14).
+"""An EPLB placement on the native EP layout (latentmoe_lab/native/eplb.py, docs/design.md §14).
 
 The placement is rebalance_experts' phy2log, the one the hand-written layout takes. Checked here, on the
 tiny preset (3 MoE layers x 8 experts) over gloo processes on 127.0.0.1:
@@ -20,10 +20,10 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.native.equivalence import (EquivalenceSettings, check_layouts, compare_with_hand_written,
                                               training_batches, write_reference_checkpoint)
-from latentmoe_lab.native.expert_placement import check_native_placement, first_replicas
+from latentmoe_lab.native.eplb import check_native_placement, first_replicas
 from latentmoe_lab.native.layout import NativeLayout
 from latentmoe_lab.parallel.config import ParallelConfig
-from latentmoe_lab.parallel.eplb import rebalance_experts
+from latentmoe_lab.parallel.eplb.rebalance import rebalance_experts
 from latentmoe_lab.parallel.launch import launch
 
 CONFIG = ModelConfig.from_preset("tiny")
@@ -84,7 +84,7 @@ def test_a_dispatcher_that_ignores_the_placement_is_caught(monkeypatch):
 
 def test_replicas_serve_like_the_hand_written_layout():
     """Forward with 4 redundant slots: native logits equal parallel/'s on the same placement (and those equal
-    one process: tests/test_eplb_serving.py)."""
+    one process: tests/test_eplb_online.py)."""
     difference, = compare_with_hand_written([(ParallelConfig(ep=2), NativeLayout(ep=2))], placement=REPLICATED)
     assert difference <= 1e-5
 
@@ -109,7 +109,7 @@ def _checkpoint_worker(reference: str, saved: str, settings: EquivalenceSettings
     from latentmoe_lab.native.build import build_native
     from latentmoe_lab.native.checkpoint import load_sharded, save_sharded
     from latentmoe_lab.native.equivalence import logical_parameters
-    from latentmoe_lab.native.expert_placement import move_rows, sum_rows
+    from latentmoe_lab.native.eplb import move_rows, sum_rows
     from latentmoe_lab.native.forward import native_logits
     from latentmoe_lab.native.layout import build_mesh
     from latentmoe_lab.native.train import NativeTrainer

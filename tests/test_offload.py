@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from latentmoe_lab.config import ModelConfig
-from latentmoe_lab.offload_tier import HotBuffer, OffloadedPools
+from latentmoe_lab.serving.cache_tiers.offload_tier import HotBuffer, OffloadedPools
 from latentmoe_lab.paged_pools import PlainFormat
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.hardware import HARDWARE, Workload
 from latentmoe_lab.parallel.roofline import decode_roofline, layer_time
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
-from latentmoe_lab.serving.offload_plan import request_tier_bytes
+from latentmoe_lab.serving.cache_tiers.offload_plan import request_tier_bytes
 from latentmoe_lab.serving.sequence import Status
 from latentmoe_lab.serving.planner import plan_cache
 
@@ -33,15 +33,36 @@ def prompts():
     return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1500, 20)]  # 20 < top-k: dense
 
 
+def _step_logits(model, monkeypatch, run):
+    """(run()'s result, the logits [R, vocab] of every serving step the engine ran on `model` meanwhile)."""
+    steps, forward = [], model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if kwargs.get("batch") is not None:
+            steps.append(out.logits.clone())
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model, "forward", recording)
+        return run(), steps
+
+
 @torch.no_grad()
-def test_greedy_with_offload_equals_without_and_generate(model, prompts):
+def test_greedy_with_offload_equals_without_and_generate(model, prompts, monkeypatch):
     params = SamplingParams(max_tokens=6)
-    plain = [o.token_ids for o in Engine(model, _service(None)).generate(prompts, params, use_tqdm=False)]
+    plain, plain_logits = _step_logits(model, monkeypatch, lambda: [
+        o.token_ids for o in Engine(model, _service(None)).generate(prompts, params, use_tqdm=False)])
     engine = Engine(model, _service(ON))
-    offloaded = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    offloaded, offloaded_logits = _step_logits(model, monkeypatch, lambda: [
+        o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
     reference = model.generate(torch.tensor([prompts[0]]), max_new_tokens=6)[0, len(prompts[0]):].tolist()
     assert offloaded == plain and offloaded[0] == reference
-    pools = engine.pools
+    # bit for bit, not only the argmax: every logits row of every step (the same steps run in both engines)
+    assert len(offloaded_logits) == len(plain_logits) >= 6
+    for step, (got, want) in enumerate(zip(offloaded_logits, plain_logits)):
+        assert got.shape == want.shape and torch.equal(got, want), f"step {step}: logits differ"
+    pools = engine.runner.pools
     assert isinstance(pools, OffloadedPools)
     for pool in pools._dsa_layers():
         held = pool.hot.position
@@ -86,8 +107,8 @@ def test_bytes_moved_per_step_are_the_selected_rows_not_already_hot(model, promp
     monkeypatch.setattr(dsa_paged, "paged_index_topk", recording)
     engine = Engine(model, _service(ON))
     rid = engine.add_request(prompts[0][:300], SamplingParams(max_tokens=8))
-    sequence = engine._sequences[rid]
-    pool = engine.pools.layers[3]
+    sequence = engine.sequence(rid)
+    pool = engine.runner.pools.layers[3]
     while sequence.num_computed < len(sequence.prompt_ids):
         engine.step()
     checked = 0
@@ -103,7 +124,7 @@ def test_bytes_moved_per_step_are_the_selected_rows_not_already_hot(model, promp
         assert flat <= after and len(after) <= HOT_ROWS
         checked += 1
     assert checked == 7  # every decode after the prompt's first token
-    assert engine.pools.stats()["bytes_moved"] == engine.pools.stats()["rows_moved"] * 24 * 4
+    assert engine.runner.pools.stats()["bytes_moved"] == engine.runner.pools.stats()["rows_moved"] * 24 * 4
 
 
 def test_hot_buffer_swaps_only_missing_rows_and_never_serves_a_rewritten_row():

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from latentmoe_lab.cli import main
 
@@ -31,3 +32,22 @@ def test_align_takes_the_simulated_device_profiles_as_candidates(tmp_path, capsy
                  "--threshold", "rel_l2=0.001", "--report", str(report)]) == 0
     out = capsys.readouterr().out
     assert "first divergence: layers.0.attn" in out and report.exists()
+
+
+def test_align_exits_1_when_the_candidate_stops_with_nan(tmp_path, capsys, monkeypatch):
+    from latentmoe_lab.alignment import cli as align_cli
+    from latentmoe_lab.alignment.candidates import cast_candidate
+
+    def poisoned(name, reference, calibration):  # layer 1's attention output turns NaN
+        candidate = cast_candidate(reference, torch.float32)
+        with torch.no_grad():
+            next(candidate.layers[1].attn.parameters()).fill_(float("nan"))
+        return candidate
+
+    monkeypatch.setattr(align_cli, "build_candidate", poisoned)
+    report = tmp_path / "nan.html"
+    assert main(["align", "--preset", "tiny", "--candidate", "bf16", "--batch", "1", "--seq-len", "16",
+                 "--report", str(report)]) == 1
+    captured = capsys.readouterr()
+    assert "the candidate's forward stopped" in captured.out and report.exists()
+    assert "align: the candidate bf16 stopped before the logits" in captured.err

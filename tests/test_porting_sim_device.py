@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from latentmoe_lab.alignment import compare
-from latentmoe_lab.porting.op_table import FULL_OP_TABLE, NumericsProfile
-from latentmoe_lab.porting.sim_device import SimDevice, SimDeviceCandidate, UnsupportedOperator
+from latentmoe_lab.porting.op_table import FULL_OP_TABLE, MATMUL_OPS, NumericsProfile
+from latentmoe_lab.porting.sim_device import _FACTOR_POSITION, SimDevice, SimDeviceCandidate, UnsupportedOperator
 from latentmoe_lab.porting.swap import use_custom_ops
 
 
@@ -31,6 +31,38 @@ def test_bf16_accumulation_profile_is_an_alignment_candidate_with_a_named_first_
     assert "rel_l2" in bf16.first_divergence.exceeded
     fp32 = compare(model, SimDeviceCandidate(model, "fp32"), ids, thresholds=strict)
     assert fp32.first_divergence is None
+
+
+def _bf16(t):
+    return t.to(torch.bfloat16).float()
+
+
+def test_bf16_profile_writes_out_buffers_and_in_place_results_with_rounded_factors_only():
+    # the KDA state recurrence calls baddbmm(out=<torch.empty buffer>) and baddbmm_: both must land in the
+    # caller's tensor (rounding a copy of them once left the buffer uninitialised: NaN, run to run)
+    gen = torch.Generator().manual_seed(3)
+    c, a, b = (torch.randn(2, 5, 7, generator=gen), torch.randn(2, 5, 3, generator=gen),
+               torch.randn(2, 3, 7, generator=gen))
+    expected = c - _bf16(a) @ _bf16(b)  # fp32 accumulator, bf16-rounded factors
+    out = torch.full_like(c, float("nan"))
+    in_place, mm_out = c.clone(), torch.full((5, 7), float("nan"))
+    with SimDevice("bf16-accum-fp32"):
+        torch.baddbmm(c, a, b, alpha=-1.0, out=out)
+        in_place.baddbmm_(a, b, alpha=-1.0)
+        torch.mm(a[0], b[0], out=mm_out)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(in_place, expected)
+    torch.testing.assert_close(mm_out, _bf16(a[0]) @ _bf16(b[0]))
+    assert set(_FACTOR_POSITION) == MATMUL_OPS  # every rounded op says where its two factors are
+
+
+def test_bf16_profile_is_deterministic_and_close_past_one_kda_chunk(model):
+    ids = torch.randint(0, 200, (2, 64), generator=torch.Generator().manual_seed(0))  # 4 KDA chunks
+    candidate = SimDeviceCandidate(model, "bf16-accum-fp32")
+    with torch.no_grad():
+        first, second, expected = candidate(ids).logits, candidate(ids).logits, model(ids).logits
+    assert torch.equal(first, second)
+    assert float((first - expected).norm() / expected.norm()) < 0.1  # bf16 factors, not garbage
 
 
 def test_strict_mode_names_the_missing_op_its_shapes_and_module(model, ids):

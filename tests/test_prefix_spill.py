@@ -5,6 +5,11 @@ The service is batch-invariant (a hit changes no bit of a request's logits, docs
 equals a fresh run" is checked with torch.equal on every logits row sampled from. The device holds 9 blocks
 and 2 snapshots: three 256-token prefixes take turns, so every second visit of a prefix finds it spilled.
 """
+import errno
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -12,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.serving import Engine, ServiceConfig
-from latentmoe_lab.serving.prefix_spill_host import HostTier
+from latentmoe_lab.serving.cache_tiers.spill_host import HostTier
 
-from spill_cases import BLOCK, PARAMS, prompts, serve, spill_service  # noqa: F401
+from spill_cases import BLOCK, PARAMS, block_views, pool_store, prompts, serve, spill_service  # noqa: F401
 
 
 def service(model, prefix_cache=None, prefix=True, kv_cache_dtype="auto") -> ServiceConfig:
@@ -161,16 +166,87 @@ def test_the_disk_tier_keeps_within_disk_bytes(model, prompts, fresh, tmp_path):
     assert sum(p.stat().st_size for p in engine.block_manager.disk.directory.glob("*.safetensors")) <= 60_000
 
 
-def test_a_failing_disk_drops_entries_not_requests(model, prompts, fresh, tmp_path, monkeypatch):
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EIO])
+def test_a_failing_disk_drops_entries_not_requests(model, prompts, fresh, tmp_path, monkeypatch, code):
+    """A failed write costs its entry, never a request; a full disk (ENOSPC, EFBIG) stops the writes after
+    the first (it used to escape as a SafetensorError and reset the server's engine once per spill)."""
+    def failing_disk(path, data):
+        path.write_bytes(data[:100])  # part of it made it to the disk
+        raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr("latentmoe_lab.serving.prefix_spill_disk.save_file", full_disk)
+    monkeypatch.setattr("latentmoe_lab.serving.cache_tiers.spill_disk.write_file", failing_disk)
     engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}))
     assert_same(serve(engine, prompts), fresh)
+    engine.close()  # the flush of what the device holds meets the same disk
     stats = engine.stats()
-    assert stats["spill_disk_write_errors"] > 0 and stats["spill_disk_bytes"] == 0 and stats["prefix_hit_tokens"] == 0
+    assert stats["spill_disk_bytes"] == 0 and stats["prefix_hit_tokens"] == 0
+    full = code != errno.EIO
+    assert engine.block_manager.disk.full == full
+    assert (stats["spill_disk_write_errors"] == 1) == full and stats["spill_disk_write_errors"] >= 1
     assert not list(engine.block_manager.disk.directory.glob("*.tmp"))
+
+
+def test_a_spill_entry_that_became_a_directory_is_refused_and_recomputed(model, prompts, fresh, tmp_path,
+                                                                         written):
+    engine = Engine(model, service(model, {"disk_dir": str(tmp_path)}))
+    snapshots = sorted(written.glob("*.kda.safetensors"))
+    for path in snapshots[:2]:
+        path.unlink()
+        path.mkdir()  # IsADirectoryError used to escape (an HTTP 500 through the server)
+    assert_same(serve(engine, prompts), fresh)
+    assert engine.stats()["prefix_hits_refused"] == 2
+    assert all(path.is_dir() for path in snapshots[:2])  # not ours to remove
+    assert_drained(engine)
+
+
+FIFO_SCRIPT = """
+import os, sys, torch
+from latentmoe_lab.serving.cache_tiers.spill_disk import DiskTier, SpillRefused
+tier = DiskTier(sys.argv[1], "ab" * 32, {"what": "test"})
+tensors, expected = {"x": torch.arange(6.0).reshape(2, 3)}, {"x": (torch.float32, (2, 3))}
+fifo, link = bytes([1] * 8), bytes([2] * 8)
+for key in (fifo, link):
+    tier.put(key, "rows", tensors)
+    assert torch.equal(tier.get(key, "rows", expected)["x"], tensors["x"])
+    os.unlink(tier._path(key, "rows"))
+os.mkfifo(tier._path(fifo, "rows"))  # nobody ever writes to it
+os.symlink("/dev/zero", tier._path(link, "rows"))
+for key in (fifo, link):
+    try:
+        tier.get(key, "rows", expected)
+    except SpillRefused as error:
+        print("refused:", error)
+"""
+
+
+FILE_SIZE_LIMIT_SCRIPT = """
+import resource, signal, sys, torch
+from latentmoe_lab.serving.cache_tiers.spill_disk import DiskTier
+tier = DiskTier(sys.argv[1], "cd" * 32, {"what": "test"})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+for i in range(3):
+    tier.put(bytes([i] * 8), "rows", {"x": torch.zeros(1000)})
+print(tier.write_errors, tier.full, tier.nbytes, sorted(p.name for p in tier.directory.iterdir()))
+"""
+
+
+def test_a_real_file_size_limit_stops_the_spill_writes_without_an_error(tmp_path):
+    """EFBIG from the kernel (RLIMIT_FSIZE), not a stand-in: one write error, no exception, nothing left."""
+    result = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT_SCRIPT, str(tmp_path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split(None, 3)[:3] == ["1", "True", "0"] and "safetensors" not in result.stdout
+
+
+def test_a_fifo_or_a_link_in_the_spill_directory_is_refused_without_blocking(tmp_path):
+    """A FIFO in place of a spill file used to block the reading thread in open(2), holding the GIL: the
+    whole server froze. Run in a child process, so that a regression fails within the timeout."""
+    result = subprocess.run([sys.executable, "-c", FIFO_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("refused:") and "unreadable" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("section, memory, message", [
@@ -213,16 +289,16 @@ def fill(pools, kind_views):
 
 def test_rows_and_snapshots_round_trip_through_the_host_tier_byte_for_byte(model):
     from latentmoe_lab.paged_pools import PagedPools
-    from latentmoe_lab.serving.prefix_spill import SpillingBlockManager
+    from latentmoe_lab.serving.cache_tiers.spill import SpillingBlockManager
 
     pools = PagedPools(model.config, num_blocks=3, block_size=4, num_slots=3)  # 1 running slot + 2 snapshot rows
-    bm = SpillingBlockManager(pools, HostTier(1 << 30), None, 3, 4, 1, 2)
+    bm = SpillingBlockManager(pool_store(pools), HostTier(1 << 30), None, 3, 4, 1, 2)
     h0, h1, h2 = b"h0", b"h1", b"h2"
     blocks = bm.allocate_blocks(2)
-    rows = [fill(pools, bm._views("rows", block)) for block in blocks]
+    rows = [fill(pools, block_views(pools, "rows", block)) for block in blocks]
     for block_hash, block in zip((h0, h1), blocks):
         bm.register_block(block_hash, block)
-    snapshot = fill(pools, bm._views("kda", bm.snapshot_row_for(h1)))
+    snapshot = fill(pools, block_views(pools, "kda", bm.snapshot_row_for(h1)))
     bm.release_blocks(blocks)
     # a snapshot evicted while its blocks stay: h2's snapshot takes the older rows' place
     bm.register_block(h2, bm.allocate_blocks(1)[0])
@@ -235,27 +311,28 @@ def test_rows_and_snapshots_round_trip_through_the_host_tier_byte_for_byte(model
     assert bm.match_prefix([h0, h1]) == ([], None)  # no room to bring them back: no hit, entries kept
     assert bm.host.has(h0, "rows") and bm.host.has(h1, "kda")
     bm.release_blocks(held)
-    for view in [*bm._views("rows", 0).values(), *bm._views("rows", 1).values(), *bm._views("kda", 1).values()]:
+    for view in [*block_views(pools, "rows", 0).values(), *block_views(pools, "rows", 1).values(),
+                 *block_views(pools, "kda", 1).values()]:
         view.zero_()  # what the device held is gone: only the host copies can bring it back
     table, row = bm.match_prefix([h0, h1, b"never seen"])
     assert len(table) == 2 and bm.counts["prefix_hits_host"] == 1
     for block, expected in zip(table, rows):
-        assert all(torch.equal(view, expected[name]) for name, view in bm._views("rows", block).items())
-    assert all(torch.equal(view, snapshot[name]) for name, view in bm._views("kda", row).items())
+        assert all(torch.equal(view, expected[name]) for name, view in block_views(pools, "rows", block).items())
+    assert all(torch.equal(view, snapshot[name]) for name, view in block_views(pools, "kda", row).items())
     assert not bm.host.has(h0, "rows") and not bm.host.has(h1, "kda")  # moved back, not copied
     bm.release_blocks(table)
     assert bm.blocks_used == 0
 
 
 def test_a_restored_block_drops_the_hot_copies_of_its_old_rows(model):
-    """With DSA rows offloaded (offload_tier.py), a decode serves a position from the sequence's hot buffer
-    when it holds one: a block restored from the spill must not leave its previous rows there."""
-    from latentmoe_lab.offload_tier import OffloadedPools
-    from latentmoe_lab.serving.prefix_spill import SpillingBlockManager
+    """With DSA rows offloaded (serving/cache_tiers/offload_tier.py), a decode serves a position from the
+    sequence's hot buffer when it holds one: a block restored from the spill must not leave its previous rows there."""
+    from latentmoe_lab.serving.cache_tiers.offload_tier import OffloadedPools
+    from latentmoe_lab.serving.cache_tiers.spill import SpillingBlockManager
 
     topk = model.config.indexer.topk
     pools = OffloadedPools(model.config, num_blocks=2, block_size=4, num_slots=2, hot_rows=topk, hot_slots=1)
-    bm = SpillingBlockManager(pools, HostTier(1 << 30), None, 2, 4, 1, 1)
+    bm = SpillingBlockManager(pool_store(pools), HostTier(1 << 30), None, 2, 4, 1, 1)
     block = bm.allocate_blocks(1)[0]
     bm.register_block(b"h", block)
     bm.snapshot_row_for(b"h")
@@ -273,22 +350,22 @@ def test_a_restored_block_drops_the_hot_copies_of_its_old_rows(model):
 def test_layers_that_share_an_indexer_spill_their_latent_rows_only():
     from latentmoe_lab.config import ModelConfig
     from latentmoe_lab.paged_pools import PagedPools
-    from latentmoe_lab.serving.prefix_spill import SpillingBlockManager
+    from latentmoe_lab.serving.cache_tiers.spill import SpillingBlockManager
 
     config = ModelConfig.from_preset("small").replace(dsa={"index_share_every": 2})  # DSA layers 3 and 7
     pools = PagedPools(config, num_blocks=1, block_size=4, num_slots=2)
-    bm = SpillingBlockManager(pools, HostTier(1 << 30), None, 1, 4, 1, 1)
+    bm = SpillingBlockManager(pool_store(pools), HostTier(1 << 30), None, 1, 4, 1, 1)
     assert sorted(bm.expected["rows"]) == ["layer3.index", "layer3.latent", "layer7.latent"]
-    written = fill(pools, bm._views("rows", bm.allocate_blocks(1)[0]))
+    written = fill(pools, block_views(pools, "rows", bm.allocate_blocks(1)[0]))
     bm.register_block(b"h", 0)
     bm.snapshot_row_for(b"h")
     bm.release_blocks([0])
     reused = bm.allocate_blocks(1)  # b"h" evicted to the host tier, its block overwritten
-    for view in bm._views("rows", reused[0]).values():
+    for view in block_views(pools, "rows", reused[0]).values():
         view.zero_()
     bm.release_blocks(reused)
     table, _ = bm.match_prefix([b"h"])
-    assert all(torch.equal(view, written[name]) for name, view in bm._views("rows", table[0]).items())
+    assert all(torch.equal(view, written[name]) for name, view in block_views(pools, "rows", table[0]).items())
 
 
 def test_a_spill_under_offloaded_dsa_rows_equals_a_fresh_run(model, prompts):

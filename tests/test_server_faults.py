@@ -12,7 +12,7 @@ from latentmoe_lab.server.loading import load_model
 from latentmoe_lab.server.settings import split_service_dict
 from latentmoe_lab.server.threaded import start_service
 from latentmoe_lab.serving import Engine, SamplingParams
-from latentmoe_lab.serving.parallel_runner import ParallelRunner
+from latentmoe_lab.serving.workers.parallel_runner import ParallelRunner
 
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 256},
            "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000},

@@ -14,7 +14,7 @@ import pytest
 from latentmoe_lab.server.cli import _api_key, access_log_config
 from latentmoe_lab.server.stops import StopMatcher
 from latentmoe_lab.server.threaded import start_service
-from latentmoe_lab.serving.parallel_runner import ParallelRunner, _process_state
+from latentmoe_lab.serving.workers.parallel_runner import ParallelRunner, _process_state
 
 KEY = "hardening-key"
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 128},

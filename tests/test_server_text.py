@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from latentmoe_lab.server.choices import ChoiceText
+from latentmoe_lab.server.choices import ChoiceText, token_bytes
 from latentmoe_lab.server.detokenizer import IncrementalDetokenizer
 from latentmoe_lab.server.errors import APIError
 from latentmoe_lab.server.protocol import parse_request, render_chat
@@ -31,6 +31,17 @@ def test_incremental_detokenizer_equals_whole_decode(seed):
     assert _pieces(text_ids, rng) == "héllo wörld 漢字 🙂"
     cut = text_ids[:-1]  # an unfinished last character -> U+FFFD, as the whole decode gives
     assert _pieces(cut, rng) == ByteTokenizer(512).decode(cut)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_chat_logprob_bytes_reassemble_the_text_for_every_id(seed):
+    """The `bytes` of a chat logprobs entry are the bytes its token adds to the content: ids past the byte
+    vocabulary and the specials (which decode as '?') included, so the entries' bytes rebuild the text."""
+    rng = random.Random(seed)
+    ids = [rng.choice([rng.randrange(512), rng.randrange(261, 512), 256, 260, 0xE6, 0x80, 0x41])
+           for _ in range(rng.randint(1, 40))]
+    rebuilt = b"".join(bytes(token_bytes(token_id)) for token_id in ids)  # the entries' "bytes"
+    assert rebuilt.decode("utf-8", errors="replace") == ByteTokenizer(512).decode(ids)
 
 
 @pytest.mark.parametrize("seed", range(20))

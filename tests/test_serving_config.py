@@ -78,7 +78,7 @@ def test_validation_names_the_key_path(data, message):
 
 
 def test_group_timeout_reaches_the_worker_layout():
-    from latentmoe_lab.serving.parallel_runner import serving_layout
+    from latentmoe_lab.serving.config import serving_layout
 
     assert ServiceConfig.from_dict({}).parallel.group_timeout_s == 30.0
     service = ServiceConfig.from_dict({"parallel": {"tensor_parallel_size": 2, "group_timeout_s": 7}})
@@ -196,6 +196,7 @@ def test_an_empty_section_takes_defaults_but_a_list_or_scalar_file_is_refused(tm
 
 def test_plan_service_accepts_the_server_section_serve_accepts(tmp_path, capsys):
     from latentmoe_lab.cli import main
+    from latentmoe_lab.server.settings import engine_config_from_yaml
 
     path = _write(tmp_path, CPU_YAML + "server:\n  max_retries: 2\n  step_timeout_s: 60\n")
     assert ServiceConfig.from_yaml(path) == ServiceConfig.from_yaml(CONFIGS / "service-cpu.yaml")
@@ -203,7 +204,7 @@ def test_plan_service_accepts_the_server_section_serve_accepts(tmp_path, capsys)
     assert "on a CPU (serve, serve-bench): memory.cache_bytes 268.44 MB" in capsys.readouterr().out
     bad = _write(tmp_path, CPU_YAML + "server:\n  max_retrys: 2\n", "bad.yaml")
     with pytest.raises(ValueError, match=r"bad\.yaml: server\.max_retrys: unknown key"):
-        ServiceConfig.from_yaml(bad)
+        engine_config_from_yaml(bad)  # plan-service's and serve-bench's loader (server/settings.py)
 
 
 @pytest.mark.parametrize("ep", [7, 16, 10 ** 12])
@@ -215,10 +216,12 @@ def test_plans_refuse_expert_parallel_sizes_the_experts_do_not_split_into(ep):
 
 def test_sizes_serve_would_die_on_are_refused_at_load(tmp_path, monkeypatch):
     from latentmoe_lab.server.settings import load_service_file
+    from latentmoe_lab import threads
     from latentmoe_lab.serving import host_limits
+    from latentmoe_lab.serving.service_plan import load_service_config
 
     monkeypatch.setattr(host_limits, "available_memory_bytes", lambda: 200_000_000)
-    monkeypatch.setattr(host_limits, "affinity_cores", lambda: 2)
+    monkeypatch.setattr(threads, "affinity_cores", lambda: 2)  # read by threads.check_within_cores
     fits = CPU_YAML.replace("268435456", "150000000")
     assert load_service_file(_write(tmp_path, fits))[0].memory.cache_bytes == 150_000_000  # kept as it is
     cases = [("cache_bytes: 150000000", "cache_bytes: 268435456",
@@ -234,7 +237,7 @@ def test_sizes_serve_would_die_on_are_refused_at_load(tmp_path, monkeypatch):
              ("seed: 0 ", "seed: 18446744073709551616 ", r"model\.seed: must fit in int64")]
     for old, new, message in cases:
         path = _write(tmp_path, fits.replace(old, new))
-        for load in (load_service_file, ServiceConfig.from_yaml):
+        for load in (load_service_file, load_service_config):  # serve's loader, the engine's (service_plan.py)
             with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {message}"):
                 load(path)
     ep2tp2 = (CONFIGS / "service-cpu-ep2tp2.yaml").read_text().replace("67108864", "60000000")

@@ -148,7 +148,7 @@ def test_a_transient_failure_costs_a_recompute_and_no_retry(model, unfaulted, ca
 
 def test_max_step_retries_zero_fails_at_once_and_sampling_failures_are_step_failures(model, monkeypatch):
     engine = Engine(model, service(max_step_retries=0))
-    monkeypatch.setattr("latentmoe_lab.serving.engine.sample_token", lambda *a: 1 / 0)
+    monkeypatch.setattr("latentmoe_lab.serving.step_sampling.sample_token", lambda *a: 1 / 0)
     outs, errors = drive(engine, [([1, 2, 3], SamplingParams(max_tokens=2))])
     assert outs[0].error == "engine_step_failed: ZeroDivisionError: division by zero (after 0 retries)"
     assert len(errors) == 1 and errors[0].retried == []

@@ -14,9 +14,9 @@ from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.server.threaded import start_service
 from latentmoe_lab.serving import Engine, ServiceConfig
-from latentmoe_lab.serving.parallel_runner import WorkerGroupError
+from latentmoe_lab.serving.workers.parallel_runner import WorkerGroupError
 from latentmoe_lab.parallel.comm import CommEvent
-from latentmoe_lab.serving.parallel_worker import busy_seconds, pack_batch
+from latentmoe_lab.serving.workers.parallel_worker import busy_seconds, pack_batch
 
 from serving_cases import PARAMS, PROMPTS, SERVICE, one_process_tokens, started_engine
 

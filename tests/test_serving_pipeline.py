@@ -13,10 +13,9 @@ import torch
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.paged_pools import paged_pool_bytes
 from latentmoe_lab.serving import Engine, ServiceConfig
-from latentmoe_lab.serving.parallel_runner import serving_layout
-from latentmoe_lab.serving.pipeline_stage import plan_stages
+from latentmoe_lab.serving.config import serving_layout
 from latentmoe_lab.serving.planner import plan_cache
-from latentmoe_lab.serving.service_plan import stage_config
+from latentmoe_lab.serving.workers.pipeline_stage import plan_stages, stage_config
 
 from serving_cases import PARAMS, SERVICE, one_process_tokens, started_engine
 from serving_cases import PROMPTS as BASE_PROMPTS

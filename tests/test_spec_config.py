@@ -3,7 +3,8 @@ import pytest
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.serving import Engine, ServiceConfig
-from latentmoe_lab.serving.spec import MTPDrafter, NgramDrafter
+from latentmoe_lab.serving.spec import NgramDrafter
+from latentmoe_lab.serving.spec.mtp_batched import BatchedMTPDrafter
 from latentmoe_lab.serving.spec.setup import make_drafter
 
 
@@ -24,6 +25,17 @@ def _config(speculative) -> ServiceConfig:
     ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "speculative.prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": "3"}, "speculative.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_model": "x"}, "speculative.draft_model"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_cost": 0.5}, "speculative.draft_cost"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "probe_interval": 4},
+     "speculative.probe_interval"),
+    ({"method": "mtp", "num_speculative_tokens": 3, "adaptive": True, "draft_cost": 0}, "speculative.draft_cost"),
+    ({"method": "mtp", "num_speculative_tokens": 3, "adaptive": True, "draft_cost": "cheap"},
+     "speculative.draft_cost"),
+    ({"method": "mtp", "num_speculative_tokens": 3, "adaptive": True, "probe_interval": 0},
+     "speculative.probe_interval"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": "yes"}, "speculative.adaptive"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "max_context": 0}, "speculative.max_context"),
+    ({"max_context": 4096}, "speculative.method"),
 ])
 def test_bad_speculative_sections_name_the_key(section, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -41,14 +53,14 @@ def test_sections_read_from_yaml_and_name_their_drafter(tmp_path):
     assert not _config(None).speculative.enabled and make_drafter(_config(None).speculative, None) is None
     head = LatentMoEForCausalLM(ModelConfig.from_preset("tiny").replace(mtp_depth=1, vision=None))
     assert isinstance(make_drafter(_config({"method": "mtp", "num_speculative_tokens": 2}).speculative, head),
-                      MTPDrafter)
+                      BatchedMTPDrafter)  # the serial MTPDrafter is its reference twin (tests/test_spec_mtp_batched.py)
 
 
 def test_the_engine_refuses_mtp_without_a_head_before_allocating_anything(model, monkeypatch):
-    from latentmoe_lab.serving import engine
+    from latentmoe_lab.serving import model_runner  # the runner allocates the pools it owns
 
-    allocated, allocate = [], engine.allocate_pools
-    monkeypatch.setattr(engine, "allocate_pools", lambda *a, **k: allocated.append(a) or allocate(*a, **k))
+    allocated, allocate = [], model_runner.allocate_pools
+    monkeypatch.setattr(model_runner, "allocate_pools", lambda *a, **k: allocated.append(a) or allocate(*a, **k))
     with pytest.raises(ValueError, match=r"speculative\.method: 'mtp' needs a model with an MTP head"):
         Engine(model, _config({"method": "mtp", "num_speculative_tokens": 3}))
     assert allocated == []

@@ -116,7 +116,7 @@ def test_greedy_with_speculation_equals_generate(model, prompts, references, met
     engine = engine_for(model, references, method, k=k, chunk=chunk, cache_bytes=cache_bytes, max_model_len=320)
     assert engine.plan.num_slots == 4 * (k + 1) and (blocks is None or engine.plan.num_blocks == blocks)
     # planned == allocated: the K + 1 spec slots per sequence are in the pools the plan counted
-    assert sum(engine.pools.nbytes().values()) == engine.plan.total_bytes
+    assert sum(engine.runner.pools.nbytes().values()) == engine.plan.total_bytes
     outputs = engine.generate([prompts[i] for i in chosen], SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
     for i, out in zip(chosen, outputs):
         assert out.error is None, out.error
@@ -213,8 +213,10 @@ def test_a_prefix_hit_after_many_rejections_equals_a_fresh_engine(model, prompts
     fresh = Engine(model, service(None, prefix=False)).generate(extended, params, use_tqdm=False)
     for a, b in zip(hit, fresh):
         assert a.token_ids == b.token_ids
+        # to rounding only: the hit and the fresh engine split the prompt into other chunks, so sums round
+        # differently (measured: 4.8e-7, one ulp at |logprob| ~6); a poisoned row would move them far more
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
-                                   torch.tensor([lp.logprob for lp in b.logprobs]), atol=1e-4, rtol=0)
+                                   torch.tensor([lp.logprob for lp in b.logprobs]), atol=2e-6, rtol=0)
     assert_drained(engine)
 
 

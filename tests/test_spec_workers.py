@@ -18,7 +18,7 @@ from latentmoe_lab import ModelConfig
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
-from latentmoe_lab.serving.parallel_worker import pack_batch
+from latentmoe_lab.serving.workers.parallel_worker import pack_batch
 from latentmoe_lab.serving.spec.drafters import Drafter
 
 LENGTHS = [1, 7, 17, 33, 50]  # ragged; chunks of 16 split the longer prompts

@@ -8,7 +8,7 @@ import pytest
 from latentmoe_lab import cli, threads
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.serving.config import ParallelSection
-from latentmoe_lab.serving.engine import _worker_threads
+from latentmoe_lab.serving.workers.parallel_runner import worker_threads
 
 
 @pytest.fixture
@@ -54,12 +54,15 @@ def test_a_quota_below_the_affinity_caps_the_cores(tmp_path):
     assert threads.available_cores(tmp_path) == 1
 
 
-def test_the_choice_is_said_and_a_request_is_checked(no_quota):
+def test_the_choice_is_said_and_a_request_is_checked(no_quota, monkeypatch):
     cores = len(os.sched_getaffinity(0))
     chosen, line = threads.choose_threads(None)
     assert chosen == threads.default_threads(1, cores=cores)
     assert line == f"torch threads: {chosen} ({cores} cores available; --threads N to change)"
+    monkeypatch.setattr(threads, "affinity_cores", lambda: 4)
     assert threads.choose_threads(3) == (3, "torch threads: 3 (from --threads)")
+    with pytest.raises(ValueError, match="--threads: 5 exceeds the 4 cores this process may run on"):
+        threads.choose_threads(5)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="--threads: must be an integer >= 1"):
             threads.choose_threads(bad)
@@ -72,6 +75,6 @@ def test_profile_refuses_a_bad_thread_count_in_one_line(tmp_path, capsys):
 
 def test_a_lone_forward_process_takes_the_default_or_the_config(no_quota):
     layout = ParallelConfig()
-    assert _worker_threads(ParallelSection(forward_process=True), layout) == threads.default_threads()
-    assert _worker_threads(ParallelSection(forward_process=True, forward_threads=3), layout) == 3
-    assert _worker_threads(ParallelSection(forward_process=True), ParallelConfig(tp=2)) == 1  # ranks: one each
+    assert worker_threads(ParallelSection(forward_process=True), layout) == threads.default_threads()
+    assert worker_threads(ParallelSection(forward_process=True, forward_threads=3), layout) == 3
+    assert worker_threads(ParallelSection(forward_process=True), ParallelConfig(tp=2)) == 1  # ranks: one each

@@ -32,6 +32,8 @@ def test_save_pretrained_writes_the_tokenizer_files(saved):
     assert all((directory / name).is_file() for name in TOKENIZER_FILES)
     assert raw.get_vocab_size() == auto.vocab_size == len(SPECIAL_TOKENS) + 256
     assert auto.pad_token_id == SPECIAL_TOKENS["<pad>"]
+    # lm-eval's prefix token for perplexity and empty contexts (its BOS, else its EOS; null when neither)
+    assert auto.bos_token_id == SPECIAL_TOKENS["<bos>"] and auto.eos_token is None
     assert {auto.convert_tokens_to_ids(name): name for name in SPECIAL_TOKENS} == {i: n for n, i in SPECIAL_TOKENS.items()}
     assert auto.model_max_length == json.loads((directory / "config.json").read_text())["max_position_embeddings"]
     table = byte_to_unicode()

@@ -5,7 +5,8 @@
     latentmoe-lab align --candidate int8-w8a8 --bisect         a quantization recipe, and which layer hurts most
     latentmoe-lab align --candidate triton                     Triton kernels (interpreter on CPU)
 
-Writes reports/align-<candidate>.html (table, first divergence, figure) and prints the summary.
+Writes reports/align-<candidate>.html (table, first divergence, figure) and prints the summary. Exit status 1
+when the candidate's forward stopped part way (a NaN, an error): the report then holds the taps it reached.
 Inputs: --text FILE (held-out text, byte tokens, cut into --batch rows of --seq-len) or seeded random ids.
 Quantization recipes that calibrate (static, SmoothQuant) see seeded random ids, never the compared inputs.
 """
@@ -26,6 +27,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from latentmoe_lab.config import PRESETS
+    from latentmoe_lab.config_presets import FULL_SCALE
     from latentmoe_lab.quant.recipes import RECIPES
 
     from latentmoe_lab.porting.op_table import PROFILES
@@ -39,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", metavar="DIR", default=None,
                         help="a save_pretrained directory (default: a seeded random --preset model)")
-    source.add_argument("--preset", default="tiny", choices=[p for p in sorted(PRESETS) if p != "k3-2.8t"],
+    source.add_argument("--preset", default="tiny", choices=[p for p in sorted(PRESETS) if p not in FULL_SCALE],
                         help="preset of the random reference model (default: tiny)")
     parser.add_argument("--candidate", required=True, choices=candidates, metavar="CANDIDATE",
                         help=f"what to compare: {', '.join(candidates)}")
@@ -181,4 +183,8 @@ def run_align(args: argparse.Namespace) -> int:
         print(extra[0])
     path = report.to_html(_report_path(args), extra)
     print(f"HTML report: {path}")
+    if report.candidate_error is not None:  # taps compared up to the stop are in the report; the run failed
+        print(f"latentmoe-lab align: the candidate {args.candidate} stopped before the logits: "
+              f"{report.candidate_error}", file=sys.stderr)
+        return 1
     return 0

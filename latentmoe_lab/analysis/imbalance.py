@@ -20,7 +20,7 @@ import torch
 from latentmoe_lab.layers.moe import LatentExperts
 from latentmoe_lab.ops.balancing import RoutingStats, routing_stats
 from latentmoe_lab.ops.routing import permute, plan_dispatch, route_topk
-from latentmoe_lab.workloads import Workload
+from latentmoe_lab.routing_workloads import Workload
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from latentmoe_lab.config import DSA, ModelConfig
+from latentmoe_lab.ops.rotary import RotaryEmbedding
 from latentmoe_lab.ops.sparse_attention import index_scores, index_topk
 
 
@@ -32,35 +33,55 @@ class LightningIndexer(nn.Module):
         self.w_heads = nn.Linear(config.hidden_size, idx.num_heads, bias=False)
         # Keeps the summed head scores O(1) whatever the number and size of index heads.
         self.head_scale = (idx.num_heads * idx.head_dim) ** -0.5
+        # mla.rope: the first qk_rope_head_dim dims of index queries and keys turn by position, pairs
+        # (i, i + rope / 2) as DeepSeek-V3.2's indexer has them (keys after k_norm, cached rotated). None: NoPE.
+        self.rotary = RotaryEmbedding.from_config(config.mla, "half")
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden] -> index keys [B, T, DI] (what the cache stores)."""
-        return self.k_norm(self.wk(x))
+    def _rotated(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, (HI,) DI] with its first rope dims turned by positions [B or 1, T] (default 0 .. T-1)."""
+        if self.rotary is None:
+            return x
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+        rope, rest = x.split([self.rotary.dim, x.shape[-1] - self.rotary.dim], dim=-1)
+        return torch.cat([self.rotary(rope, positions), rest], dim=-1)
 
-    def queries(self, x: torch.Tensor, c_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, T, hidden], c_q: [B, T, q_lora] -> index queries [B, T, HI, DI] and head weights [B, T, HI]."""
+    def keys(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, hidden] -> index keys [B, T, DI] (what the cache stores); positions [B or 1, T] for RoPE."""
+        return self._rotated(self.k_norm(self.wk(x)), positions)
+
+    def queries(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden], c_q: [B, T, q_lora] -> index queries [B, T, HI, DI] and head weights [B, T, HI].
+
+        positions [B or 1, T]: the queries' positions, for RoPE (default 0 .. T-1)."""
         q_idx = rearrange(self.wq(c_q), "b t (j d) -> b t j d", j=self.num_heads)
-        return q_idx, self.w_heads(x) * self.head_scale
+        return self._rotated(q_idx, positions), self.w_heads(x) * self.head_scale
 
     @record_function("attn.dsa.indexer")
-    def scores(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor) -> torch.Tensor:
+    def scores(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, hidden], c_q: [B, T, q_lora], index_keys: [B, S, DI] -> I [B, T, S] fp32 (not masked)."""
-        q_idx, head_weights = self.queries(x, c_q)
+        q_idx, head_weights = self.queries(x, c_q, positions)
         return index_scores(q_idx, index_keys, head_weights)
 
     @torch.no_grad()  # positions are integers: no gradient flows back through a selection
     @record_function("attn.dsa.indexer")
     def select(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor, offset: int,
-               first_key: torch.Tensor | None = None) -> torch.Tensor:
+               first_key: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, hidden], c_q: [B, T, q_lora], index_keys: [B, S, DI] -> positions [B, T, topk] (-1 pads).
 
         first_key [B, T]: the earliest key each query may see (packed sequences: its own sequence's start).
+        positions [B or 1, T]: the queries' positions in their sequences, for RoPE (default offset + 0 .. T-1).
         """
-        q_idx, head_weights = self.queries(x, c_q)
+        if positions is None:
+            positions = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
+        q_idx, head_weights = self.queries(x, c_q, positions)
         return index_topk(q_idx, index_keys, head_weights, self.topk, offset, first_key)
 
     def select_blocks(self, x: torch.Tensor, c_q: torch.Tensor, index_keys: torch.Tensor, offset: int,
-                      block: int, first_key: torch.Tensor | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+                      block: int, first_key: torch.Tensor | None = None, positions: torch.Tensor | None = None
+                      ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Yield (start, stop, positions [B, stop - start, topk]) for query blocks of `block` tokens.
 
         A block scores only the keys it can see (index_keys[:, :offset + stop]), so the scores alive at
@@ -69,7 +90,8 @@ class LightningIndexer(nn.Module):
         for start in range(0, x.shape[1], block):
             stop = min(start + block, x.shape[1])
             yield start, stop, self.select(x[:, start:stop], c_q[:, start:stop], index_keys[:, :offset + stop],
-                                           offset + start, None if first_key is None else first_key[:, start:stop])
+                                           offset + start, None if first_key is None else first_key[:, start:stop],
+                                           None if positions is None else positions[:, start:stop])
 
 
 class SharedSelection:
@@ -88,6 +110,8 @@ class SharedSelection:
 def link_shared_indexers(config: ModelConfig, attentions: list[nn.Module]) -> None:
     """Wire dsa.index_share_every: each DSA layer of `attentions` (config.layer_types order) whose index source
     is another layer reuses that layer's selections (docs/design.md §15.2). A no-op at the default of 1."""
+    if not config.dsa.use_indexer:  # dense MLA: no selections to share
+        return
     for layer_idx, attn in enumerate(attentions):
         if config.layer_types[layer_idx] != DSA or config.index_source(layer_idx) == layer_idx:
             continue

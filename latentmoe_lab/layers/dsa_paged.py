@@ -11,30 +11,30 @@ Two ways to read the pool, with the same selection (GatedDSA.paged_reads):
              selected latent rows (ops/paged_sparse.py): temporaries flat in chunk and context length;
   "gather" - the reference twin: copies each sequence's context out (sequence_positions,
              gather_left_padded) and runs the contiguous path's index_topk / sparse_attention on it.
-With a host tier (offload_tier.py, docs/design.md §15.1) "blocks" decodes read selected rows through each
-sequence's hot buffer. tests/test_paged_dsa_blockwise.py compares the two on ragged batches.
+With a host tier (a pool whose `offloaded` is set: serving/cache_tiers/offload_tier.py, docs/design.md §15.1)
+"blocks" decodes read selected rows through each sequence's hot buffer. tests/test_paged_dsa_blockwise.py
+compares the two on ragged batches.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 from einops import einsum
+from torch import nn
 from torch.profiler import record_function
 
 from latentmoe_lab.forward_batch import ForwardBatch
-from latentmoe_lab.offload_tier import OffloadedDSAPool
 from latentmoe_lab.ops.paged_sparse import paged_dense_attention, paged_index_topk, paged_sparse_attention
 from latentmoe_lab.paged_pools import DSAPool
 
-if TYPE_CHECKING:
-    from latentmoe_lab.layers.dsa import GatedDSA
 
-
-def forward_paged(layer: GatedDSA, x: torch.Tensor, batch: ForwardBatch | None, pool: DSAPool | None,
+def forward_paged(layer: nn.Module, x: torch.Tensor, batch: ForwardBatch | None, pool: DSAPool | None,
                   cache, absorb, dense, sequence_start) -> torch.Tensor:
     """x [1, total, hidden] of batch's S sequences -> [1, total, hidden], through the paged pool.
+
+    layer: the GatedDSA (layers/dsa.py) whose forward calls this; typed nn.Module because dsa.py imports this
+    module, so this one may not import dsa.py. Its projections, absorbed weights and options are used.
 
     The new [c_kv | k_rope] and index keys go to pool positions slot_mapping first; then every query
     scores its own sequence's keys, read through the block table (context_len + its new tokens), takes
@@ -58,7 +58,8 @@ def forward_paged(layer: GatedDSA, x: torch.Tensor, batch: ForwardBatch | None, 
         raise ValueError(f"x: expected shape [1, total={batch.num_tokens}, hidden], got {tuple(x.shape)}")
     if layer.paged_reads not in layer.PAGED_READS:
         raise ValueError(f"paged_reads: expected one of {layer.PAGED_READS}, got {layer.paged_reads!r}")
-    c_q, q_nope, q_rope, latent, k_rope, index_keys = layer.project(x)
+    # With RoPE the keys are rotated here, at their positions, and stored rotated: reads never rotate again.
+    c_q, q_nope, q_rope, latent, k_rope, index_keys = layer.project(x, batch.positions[None])
     pool.write(batch.slot_mapping, torch.cat([latent, k_rope], dim=-1)[0],
                None if layer.indexer is None else index_keys[0])
     w_kb, w_vb = layer._absorb_weights()
@@ -67,13 +68,13 @@ def forward_paged(layer: GatedDSA, x: torch.Tensor, batch: ForwardBatch | None, 
     return layer._gated_output(einsum(attn, w_vb, "b t h c, h v c -> b t h v"), x)
 
 
-def _paged_attend_blocks(layer: GatedDSA, batch: ForwardBatch, pool: DSAPool, x, c_q, q_nope, q_rope,
+def _paged_attend_blocks(layer: nn.Module, batch: ForwardBatch, pool: DSAPool, x, c_q, q_nope, q_rope,
                          w_kb) -> torch.Tensor:
     """The paged attention [1, total, H, kv_lora], reading the pool one range of blocks at a time."""
     q = layer._absorbed_query(q_nope, q_rope, w_kb)  # [1, total, H, kv_lora + rope]
     attn = q.new_empty(*q.shape[:3], layer.kv_lora_rank)
     starts, lengths = batch.query_start.tolist(), batch.query_len.tolist()
-    offloaded = isinstance(pool, OffloadedDSAPool)  # host tier: decodes read hot buffers, chunks the host
+    offloaded = pool.offloaded  # host tier: decodes read hot buffers, chunks the host
     read_latent = pool.read_latent if offloaded else partial(pool.latent_format.read, pool.latent)
     reads = (batch.block_size, read_latent, partial(pool.index_format.read, pool.index))
     decodes = batch.decode_indices()
@@ -94,7 +95,7 @@ def _paged_attend_blocks(layer: GatedDSA, batch: ForwardBatch, pool: DSAPool, x,
 
 
 @record_function("attn.dsa.attend")
-def _attend_blocks(layer: GatedDSA, q, x, c_q, query_pos, block_table, block_size, read_latent,
+def _attend_blocks(layer: nn.Module, q, x, c_q, query_pos, block_table, block_size, read_latent,
                    read_index) -> torch.Tensor:
     """q [B, T, H, kv_lora + rope], x, c_q [B, T, *], query_pos [B, T] (ascending in t) -> [B, T, H, kv_lora].
 
@@ -105,7 +106,9 @@ def _attend_blocks(layer: GatedDSA, q, x, c_q, query_pos, block_table, block_siz
     queries are projected per query block, as the gather path does (the dense prefix is cut at a query
     block boundary unless it is the whole call), so both paths rank bit-identical scores.
     """
-    seeing_all = int((query_pos < layer.topk).sum(dim=1).min()) if layer.paged_dense_prefix else 0
+    # without an indexer (dsa.use_indexer False) topk is max_position_embeddings: every query attends densely
+    dense_prefix = layer.paged_dense_prefix or not layer.use_indexer
+    seeing_all = int((query_pos < layer.topk).sum(dim=1).min()) if dense_prefix else 0
     dense = seeing_all if seeing_all == x.shape[1] else seeing_all // layer.query_block * layer.query_block
     parts = [paged_dense_attention(q[:, s:min(s + layer.query_block, dense)],
                                    query_pos[:, s:min(s + layer.query_block, dense)], block_table, block_size,
@@ -117,13 +120,13 @@ def _attend_blocks(layer: GatedDSA, q, x, c_q, query_pos, block_table, block_siz
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
-def _attend_selected(layer: GatedDSA, q, x, c_q, query_pos, block_table, block_size, read_latent, read_index):
+def _attend_selected(layer: nn.Module, q, x, c_q, query_pos, block_table, block_size, read_latent, read_index):
     """`_attend_blocks` for queries that may see more than topk keys: the indexer's top-k, then sparse."""
     starts = range(0, x.shape[1], layer.query_block)
 
     def select() -> torch.Tensor:
-        projected = [layer.indexer.queries(x[:, s:s + layer.query_block], c_q[:, s:s + layer.query_block])
-                     for s in starts]
+        projected = [layer.indexer.queries(x[:, s:s + layer.query_block], c_q[:, s:s + layer.query_block],
+                                           query_pos[:, s:s + layer.query_block]) for s in starts]
         q_idx, head_weights = (torch.cat(parts, dim=1) for parts in zip(*projected))
         return paged_index_topk(q_idx, head_weights, query_pos, block_table, block_size, read_index,
                                 layer.indexer.topk, layer.key_block)
@@ -134,7 +137,7 @@ def _attend_selected(layer: GatedDSA, q, x, c_q, query_pos, block_table, block_s
                       for s in starts], dim=1)
 
 
-def _paged_attend_gathered(layer: GatedDSA, batch: ForwardBatch, pool: DSAPool, x, c_q, q_nope, q_rope,
+def _paged_attend_gathered(layer: nn.Module, batch: ForwardBatch, pool: DSAPool, x, c_q, q_nope, q_rope,
                            w_kb) -> torch.Tensor:
     """The paged attention [1, total, H, kv_lora] over each sequence's context copied out of the pool."""
     attn = q_nope.new_empty(*q_nope.shape[:3], layer.kv_lora_rank)  # [1, total, H, kv_lora]
@@ -146,14 +149,15 @@ def _paged_attend_gathered(layer: GatedDSA, batch: ForwardBatch, pool: DSAPool, 
         keys, keys_index, first_key = gather_left_padded(batch, pool, seqs, x.dtype)
         q, k, v = layer._absorbed_qkv(q_nope[0, tokens][:, None], q_rope[0, tokens][:, None], keys, w_kb)
         attn[0, tokens] = layer._attend(q, k, v, x[0, tokens][:, None], c_q[0, tokens][:, None], keys_index,
-                                        keys.shape[1] - 1, False, first_key)[:, 0]
+                                        keys.shape[1] - 1, False, first_key, batch.context_len[seqs][:, None])[:, 0]
     for i in batch.chunk_indices():
         span = slice(starts[i], starts[i + 1])
         context = int(batch.context_len[i])
         keys, keys_index = pool.read(sequence_positions(batch, i, context + lengths[i]))
         q, k, v = layer._absorbed_qkv(q_nope[:, span], q_rope[:, span], keys.to(x.dtype)[None], w_kb)
         attn[:, span] = layer._attend(q, k, v, x[:, span], c_q[:, span],
-                                      None if keys_index is None else keys_index.to(x.dtype)[None], context, False)
+                                      None if keys_index is None else keys_index.to(x.dtype)[None], context, False,
+                                      None, batch.positions[span][None])
     return attn
 
 

@@ -80,7 +80,8 @@ class ImageTextProcessor:
     images of more than `max_pixels` pixels are refused before they are decoded (images.py).
     """
 
-    def __init__(self, config: ModelConfig, max_side: int | None = 1024, max_pixels: int = MAX_PIXELS):
+    def __init__(self, config: ModelConfig, max_side: int | None = 1024, max_pixels: int = MAX_PIXELS,
+                 tokenizer=None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         if config.vision is None:
@@ -95,7 +96,8 @@ class ImageTextProcessor:
         self.vision = config.vision
         self.max_side = max_side
         self.max_pixels = max_pixels
-        self.tokenizer = ByteTokenizer(config.vocab_size)
+        # tokenizer: what encodes the text pieces (a checkpoint's, tokenizer.tokenizer_of); None = bytes
+        self.tokenizer = ByteTokenizer(config.vocab_size) if tokenizer is None else tokenizer
         self.pad_token_id = PAD_TOKEN_ID
 
     def __call__(self, text: str | list[str], images=None) -> MultimodalBatch:
@@ -106,12 +108,12 @@ class ImageTextProcessor:
             if len(pieces) - 1 != len(sample_images):
                 raise ValueError(f"text[{i}]: has {len(pieces) - 1} {IMAGE_MARKER!r} markers but "
                                  f"{len(sample_images)} images were given for it")
-            ids = list(pieces[0].encode("utf-8"))
+            ids = self._encode(pieces[0])
             for j, (image, piece) in enumerate(zip(sample_images, pieces[1:])):
                 image_patches, grid = self.image_patches(image, name=f"images[{i}][{j}]")
                 patches.append(image_patches)
                 grids.append(grid)
-                ids += self.image_span(grid) + list(piece.encode("utf-8"))
+                ids += self.image_span(grid) + self._encode(piece)
             if not ids:
                 raise ValueError(f"text[{i}]: the sample has no tokens (empty text and no images)")
             sequences.append(ids)
@@ -122,6 +124,9 @@ class ImageTextProcessor:
             image_grids=torch.tensor(grids, dtype=torch.int64) if grids else None,
             images_per_sample=[len(sample_images) for sample_images in images_per_text],
         )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)[0].tolist() if text else []
 
     def image_patches(self, image, name: str = "image") -> tuple[torch.Tensor, tuple[int, int]]:
         """One image -> (patches [rows*cols, C*p*p], (rows, cols))."""

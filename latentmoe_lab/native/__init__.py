@@ -4,7 +4,7 @@
     local_params.py  LocalParams: a layer's own parameters as DTensors, its forward on local views
     tensor_plan.py   parallelize_module plans for KDA, Gated DSA, dense FFN and shared experts
     expert.py        the autograd All-to-All dispatcher (expert parallelism that trains)
-    expert_placement.py  experts in an EPLB placement's slots; checkpoints mapped to logical order
+    eplb.py          experts in an EPLB placement's slots (parallel/eplb/); checkpoints mapped to logical order
     stage.py         a pipeline stage under the full model's parameter names
     build.py         build_native / from_pretrained: meta build, plans, FSDP2, local shards from safetensors
     train.py         NativeTrainer: one step = the one-process step on the whole batch

@@ -3,7 +3,7 @@
     1. build LatentMoEForCausalLM on the meta device (no memory);
     2. pp > 1: keep this stage's blocks (PipelineStageModule);
     3. tp > 1: parallelize_module plans (tensor_plan.py); ep > 1: experts split (expert.py), in contiguous
-       blocks or in the slots of an EPLB placement (expert_placement.py);
+       blocks or in the slots of an EPLB placement (native/eplb.py);
     4. FSDP2: fully_shard each block and the root over "data" (dp_shard x ep), the experts over
        dp_shard alone (they are already split over ep), with the layout's mixed-precision policy;
     5. to_empty: allocate the local shards only;
@@ -28,7 +28,7 @@ from latentmoe_lab.layers.kda import A_INIT_RANGE, DT_INIT_RANGE
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.native.expert import apply_expert_parallel
-from latentmoe_lab.native.expert_placement import (check_native_placement, copy_to_slots, logical_targets,
+from latentmoe_lab.native.eplb import (check_native_placement, copy_to_slots, logical_targets,
                                                    placed_layers, to_logical)
 from latentmoe_lab.native.layout import PARAM_DTYPES, NativeLayout
 from latentmoe_lab.native.stage import PipelineStageModule, named_blocks
@@ -99,7 +99,7 @@ def build_native(config: ModelConfig, layout: NativeLayout, mesh, checkpoint: st
     """This rank's model under `layout` on `mesh` (layout.build_mesh), loaded from `checkpoint` or freshly seeded.
 
     dtype: of the stored parameters (fp32 masters; fp64 for the equivalence checks). placement: an EPLB
-    placement [MoE layers, P] (phy2log of parallel/eplb.py) for the experts (expert_placement.py; ep > 1).
+    placement [MoE layers, P] (phy2log of parallel/eplb/rebalance.py) for the experts (native/eplb.py; ep > 1).
     """
     layout.validate_for(config, mesh.size())
     if placement is not None:

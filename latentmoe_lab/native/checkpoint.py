@@ -27,7 +27,7 @@ reads only the overlapping slices (safetensors get_slice). Before anything is re
 regular files, safetensors or JSON by their bytes, never a pickle; the sizes and SHA-256 digests the manifest
 recorded (verify_checksums=False skips the digests); well-formed headers; chunks that cover each tensor; then
 every tensor of the target must be in the checkpoint with its global shape. Expert stacks held in an EPLB
-placement's slot order are written and read in logical order (native/expert_placement.py), so the files are
+placement's slot order are written and read in logical order (native/eplb.py), so the files are
 the same whatever the placement. An optimizer's state loads
 per parameter; one that had no state at the save (it never had a gradient) has none after the load.
 See docs/design.md §11.
@@ -56,7 +56,7 @@ from latentmoe_lab.checkpoint_dir import (MARKER_NAME, check_output_dir, make_te
 from latentmoe_lab.checkpoint_integrity import file_sha256, read_json_file, write_checksums
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.native.build import NativeModel, load_local_shards
-from latentmoe_lab.native.expert_placement import (copy_to_slots, logical_shapes, logical_targets, placed_layers,
+from latentmoe_lab.native.eplb import (copy_to_slots, logical_shapes, logical_targets, placed_layers,
                                                    to_logical)
 from latentmoe_lab.native.checkpoint_files import (RESERVED_NAMES, FORMAT, MANIFEST_NAME, MODEL_DIR, OPTIMIZER_DIR,
                                                    OPTIMIZER_JSON, SHARDED, check_sharded)
@@ -78,7 +78,7 @@ def save_sharded(native: NativeModel, directory: str | Path, optimizer: torch.op
         make_temporary(directory)
         (tmp / MODEL_DIR).mkdir()
     dist.barrier()
-    # expert stacks in an EPLB placement's slot order go to disk in logical order (expert_placement.py)
+    # expert stacks in an EPLB placement's slot order go to disk in logical order (native/eplb.py)
     placed, num_experts = placed_layers(native.module), native.module.config.moe.num_experts
     _dcp_save(to_logical(get_model_state_dict(native.module), placed, num_experts), tmp / MODEL_DIR)
     if optimizer is not None:

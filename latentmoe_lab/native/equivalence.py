@@ -82,7 +82,7 @@ def train_reference(model: LatentMoEForCausalLM, batches: list[torch.Tensor], se
 
 def logical_parameters(module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (DTensor.full_tensor); expert stacks in slot order back in expert order."""
-    from latentmoe_lab.native.expert_placement import first_replicas, placed_layers
+    from latentmoe_lab.native.eplb import first_replicas, placed_layers
 
     placed = placed_layers(module)
     params = {}
@@ -97,7 +97,7 @@ def logical_parameters(module) -> dict[str, torch.Tensor]:
 
 def replica_spread(module) -> float:
     """Max |replica - the expert's first replica| over every placed expert stack (0.0: replicas identical)."""
-    from latentmoe_lab.native.expert_placement import first_replicas, placed_layers
+    from latentmoe_lab.native.eplb import first_replicas, placed_layers
 
     spread = 0.0
     for prefix, phy2log in placed_layers(module).items():
@@ -141,7 +141,7 @@ def check_layouts(layouts: list[NativeLayout], settings: EquivalenceSettings = E
                   placements: list | None = None) -> list[EquivalenceReport]:
     """Run each layout and compare with the one-process reference; one launch per world size.
 
-    placements: per layout, an EPLB placement of its experts (expert_placement.py) or None."""
+    placements: per layout, an EPLB placement of its experts (native/eplb.py) or None."""
     placements = placements or [None] * len(layouts)
     from latentmoe_lab.parallel.launch import launch
 

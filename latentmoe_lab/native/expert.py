@@ -3,7 +3,7 @@
 Rank r of the "ep" mesh dim holds experts [r*E/R, (r+1)*E/R), stored as Shard(0) DTensors of the
 global [E, ...] stacks (so checkpoints and FSDP2 see the whole expert set); under an EPLB placement it
 holds slots [r*P/R, (r+1)*P/R) of [P, ...] stacks in slot order instead, and a pair goes to the slot
-choose_replicas picks (expert_placement.py). Per MoE layer and rank,
+choose_replicas picks (native/eplb.py). Per MoE layer and rank,
 N local tokens, top-K, latent size l:
 
   dispatch  counts  all_to_all [R] int64       (pairs this rank sends to each rank)
@@ -27,10 +27,10 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from latentmoe_lab.layers.moe import LatentExperts, LatentMoE
-from latentmoe_lab.native.expert_placement import moe_rows
+from latentmoe_lab.native.eplb import moe_rows
 from latentmoe_lab.native.local_params import LocalParams
 from latentmoe_lab.native.stage import named_blocks
-from latentmoe_lab.parallel.eplb_serving import choose_replicas, slot_tables
+from latentmoe_lab.parallel.eplb.replicas import choose_replicas, slot_tables
 
 
 class AllToAll(torch.autograd.Function):
@@ -56,7 +56,7 @@ class NativeDispatcher:
     """layers.moe.Dispatcher over the "ep" mesh dim, differentiable in the tokens and the routing weights."""
 
     def __init__(self, ep_mesh, num_experts: int, phy2log: torch.Tensor | None = None):
-        """phy2log [P]: the layer's EPLB placement (expert_placement.py); None: expert e in slot e."""
+        """phy2log [P]: the layer's EPLB placement (native/eplb.py); None: expert e in slot e."""
         self.group = ep_mesh.get_group()
         self.ep, self.rank = ep_mesh.size(), ep_mesh.get_local_rank()
         self.phy2log = phy2log
@@ -99,7 +99,7 @@ class NativeDispatcher:
 def apply_expert_parallel(model, ep_mesh, placement: torch.Tensor | None = None) -> None:
     """Split every MoE layer's experts over `ep_mesh` and swap in the All-to-All dispatcher (in place).
 
-    placement [MoE layers, P] (expert_placement.py): the layers' stacks become P slots in slot order (still on
+    placement [MoE layers, P] (native/eplb.py): the layers' stacks become P slots in slot order (still on
     the meta device: nothing is allocated yet) and the dispatchers send each pair to a replica.
     """
     plan = {}
@@ -118,5 +118,5 @@ def _slot_stack(experts: LatentExperts, num_slots: int) -> LatentExperts:
     """An empty LatentExperts of num_slots experts, shaped, typed and placed (meta) like `experts`."""
     latent, inter = experts.w2.shape[2], experts.w2.shape[1]
     with torch.device(experts.w13.device):
-        slots = LatentExperts(num_slots, latent, inter, experts.activation_clamp)
+        slots = LatentExperts(num_slots, latent, inter, experts.activation_clamp, experts.situ_betas)
     return slots.to(experts.w13.dtype)

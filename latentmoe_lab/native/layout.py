@@ -72,6 +72,9 @@ class NativeLayout:
             raise ValueError(f"world size: the layout {self.name} needs {self.world_size} processes, got {world_size}")
         if config.moe.num_experts % self.ep:
             raise ValueError(f"ep: {self.ep} must divide moe.num_experts = {config.moe.num_experts}")
+        if self.pp > 1 and config.attn_res_block_size is not None:
+            raise ValueError("attn_res_block_size: the native pipeline stages pass one hidden tensor, not the Block "
+                             "AttnRes stream; use pp = 1 here, or parallel/ (its stages carry the stream)")
         tp = self.tp
         checks = {"kda.num_heads": config.kda.num_heads, "mla.num_heads": config.mla.num_heads,
                   "dense_intermediate_size": config.dense_intermediate_size,

@@ -17,7 +17,7 @@ Kinds, by the function called (in this package each one has a single caller):
     fsdp.all_gather / fsdp.reduce_scatter    dist.all_gather_single / reduce_scatter_single (FSDP2)
     ep.all_to_all.{counts,ids,rows}          dist.all_to_all_single (expert.py), told apart by dtype:
                                              int64 row counts, int32 expert ids, float token rows (and
-                                             the replicas' gradient sums, expert_placement.py)
+                                             the replicas' gradient sums, native/eplb.py)
     all_reduce, all_gather, broadcast        dist.* (the train step's bias counts and loss, logits)
     dtensor.{all_reduce,all_gather,reduce_scatter}   torch's functional collectives (DTensor: TP)
     p2p.send                                 ProcessGroup.send (pipelining, dist.send)
@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from latentmoe_lab.layers.moe import LatentMoE
-from latentmoe_lab.native.expert_placement import pair_destinations, placed_layers, replica_gradient_bytes
+from latentmoe_lab.native.eplb import pair_destinations, placed_layers, replica_gradient_bytes
 from latentmoe_lab.native.layout import PARAM_DTYPES, NativeLayout
 from latentmoe_lab.native.stage import named_blocks
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import causal_lm_loss
 from latentmoe_lab.native.build import NativeModel, expert_params
-from latentmoe_lab.native.expert_placement import replica_copies, sum_replica_gradients, unique_square
+from latentmoe_lab.native.eplb import replica_copies, sum_replica_gradients, unique_square
 from latentmoe_lab.native.stage import named_blocks
 
 
@@ -56,7 +56,12 @@ class ExpertCounts:
         counts = torch.stack(self.totals)
         dist.all_reduce(counts, group=data_group)
         for layer, layer_counts, total in zip(self.layers, counts, self.totals):
-            layer.update_bias(layer_counts)
+            if layer.bias_rule == "quantile":  # the last micro-batch's quantiles, averaged over the data ranks
+                bias = layer.target_bias()
+                dist.all_reduce(bias, group=data_group)
+                layer.set_bias(bias / dist.get_world_size(data_group))
+            else:
+                layer.update_bias(layer_counts)
             total.zero_()
         return counts
 

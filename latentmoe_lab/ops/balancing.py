@@ -3,6 +3,9 @@
 Shape legend: B sequences, T tokens per sequence, N = B * T tokens, E experts, K experts per token.
 
     bias update   b_i <- b_i + u * sign(mean(c) - c_i)          c_i: tokens routed to expert i in the step
+    quantile rule b_i <- -Q_{1-K/E}(s_{:,i}),  b <- b - mean(b)   K3 (docs/design.md §18): each expert's bias
+                  moves to the value whose score threshold lets exactly the share K/E of the batch's tokens
+                  through, Q_q being the q-quantile (linear interpolation) of expert i's N scores
     aux loss      L = alpha * sum_i f_i * P_i                    per sequence, then averaged over sequences
                   f_i = E / (K * T) * #{t : i in I_t}            1.0 for every expert under perfect balance
                   P_i = mean_t s_{t,i} / sum_j s_{t,j}           s = sigmoid(logits)
@@ -47,6 +50,42 @@ def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.
         raise ValueError(f"rate: must be a finite number >= 0, got {rate!r}")
     load = counts.to(device=bias.device, dtype=torch.float32)
     return bias.detach().float() + rate * torch.sign(load.mean() - load)
+
+
+def _check_quantile_args(scores: torch.Tensor, top_k: int) -> None:
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
+        got = (tuple(scores.shape), scores.dtype) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"scores: expected a floating tensor of 2 dims [N, E], got {got}")
+    if scores.shape[0] < 1:
+        raise ValueError(f"scores: need at least one token [N, E], got shape {tuple(scores.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= scores.shape[1]:
+        raise ValueError(f"top_k: must be an integer in [1, E={scores.shape[1]}], got {top_k!r}")
+
+
+def quantile_bias(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The quantile rule's new bias: scores [N, E] (sigmoid router scores of one batch) -> fp32 [E], mean 0.
+
+    b_i = -Q_{1-K/E}(s_{:,i}) then mean-centred: with choice = s + b, expert i's scores clear the common
+    threshold -mean(b) on a share K/E of the tokens, its balanced share. A constant added to every bias
+    changes no top-k choice, so the centring only keeps the biases near zero. Q interpolates linearly
+    between order statistics (torch.quantile's rule), computed by a sort so that N has no size limit.
+    """
+    _check_quantile_args(scores, top_k)
+    ordered = scores.detach().float().sort(dim=0).values  # [N, E] ascending per expert
+    position = (1.0 - top_k / scores.shape[1]) * (scores.shape[0] - 1)
+    low = int(position)
+    high = min(low + 1, scores.shape[0] - 1)
+    threshold = ordered[low] + (position - low) * (ordered[high] - ordered[low])
+    return threshold.mean() - threshold
+
+
+def quantile_bias_reference(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Twin of `quantile_bias`: one expert at a time through torch.quantile, centred with a python mean."""
+    _check_quantile_args(scores, top_k)
+    level = 1.0 - top_k / scores.shape[1]
+    raw = [-float(torch.quantile(scores[:, i].detach().double(), level)) for i in range(scores.shape[1])]
+    mean = sum(raw) / len(raw)
+    return torch.tensor([b - mean for b in raw], dtype=torch.float32)
 
 
 def sequence_aux_loss(logits: torch.Tensor, indices: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:

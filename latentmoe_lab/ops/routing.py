@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from latentmoe_lab.ops import batch_invariant
-from latentmoe_lab.ops.activations import sigmoid, silu
+from latentmoe_lab.ops.activations import sigmoid, silu, situ
 from latentmoe_lab.ops.backend import resolve_backend
 
 # 0/0 guard: sigmoid underflows to exactly 0 for logits below about -104.
@@ -327,6 +327,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, clamp: float | None = None) -> 
         gate = gate.clamp(max=clamp)
         up = up.clamp(-clamp, clamp)
     return silu(gate) * up
+
+
+def expert_glu(gate: torch.Tensor, up: torch.Tensor, clamp: float | None = None,
+               situ_betas: tuple[float, float] | None = None) -> torch.Tensor:
+    """The experts' activation: `swiglu(gate, up, clamp)`, or with situ_betas = (beta_gate, beta_up)
+    `ops.activations.situ` (K3, docs/design.md §18; no clamp: SiTU bounds both factors itself)."""
+    if situ_betas is None:
+        return swiglu(gate, up, clamp)
+    if clamp is not None:
+        raise ValueError(f"clamp: must be None with situ_betas (SiTU bounds its factors itself), got {clamp!r}")
+    return situ(gate, up, *situ_betas)
 
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, offsets: torch.Tensor, clamp: float | None = None,

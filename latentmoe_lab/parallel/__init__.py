@@ -14,13 +14,14 @@
     traffic.py    the byte model of every collective (exact with routing, expected without)
     hardware.py, planner.py, roofline.py   full-scale memory / traffic / step-time plans
     offload.py    accelerate device maps, disk offload of cold experts, ExpertCache
-    eplb.py       rebalance_experts: redundant expert slots and a balanced placement (docs/design.md §14);
-                  eplb_load.py (per-rank load, balancedness, ExpertLoadRecorder), eplb_plan.py (on paper),
-                  eplb_serving.py (replica choice, slot migration, OnlineBalancer for the EP workers)
+    eplb/         expert-parallel load balancing (docs/design.md §14): rebalance.py (rebalance_experts),
+                  replicas.py (a placement's slot tables and the token -> replica choice), load.py (per-rank
+                  load, balancedness, ExpertLoadRecorder), plan.py (on paper), online.py (slot migration and
+                  OnlineBalancer on the hand-written EP workers)
 """
 from latentmoe_lab.parallel.config import MESH_DIMS, ParallelConfig
-from latentmoe_lab.parallel.eplb import rebalance_experts
-from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder, balance_metrics, rank_loads
+from latentmoe_lab.parallel.eplb.load import ExpertLoadRecorder, balance_metrics, rank_loads
+from latentmoe_lab.parallel.eplb.rebalance import rebalance_experts
 from latentmoe_lab.parallel.hardware import HARDWARE, SERVE_128K, TRAIN_8K, Hardware, Workload
 from latentmoe_lab.parallel.launch import RankFailure, launch
 from latentmoe_lab.parallel.planner import EXAMPLE_LAYOUTS, LayoutPlan, plan_examples, plan_layout, plan_table

@@ -1,4 +1,7 @@
-"""Hardware and workload descriptions the planner takes (nominal public datasheet figures).
+"""Hardware and workload descriptions the layout planner takes (nominal public datasheet figures).
+
+A Workload here is a shape to plan for (mode, sequence length, sequences per step), not a routing pattern
+(routing_workloads.py) nor serve-bench's request arrivals.
 
 Bandwidths are bytes/s per device in one direction; FLOP/s are dense bf16 (no sparsity).
 `devices_per_node` decides which groups stay on NVLink: the mesh puts tp innermost, so a

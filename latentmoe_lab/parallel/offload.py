@@ -6,7 +6,7 @@ accelerate's `infer_auto_device_map` where each decoder block goes for a cluster
 
 Small configs, for real: `offload_experts` swaps each MoE layer's `experts` for `OffloadedExperts`:
 the `hot` most used experts stay resident (most used in a recorder's window of served traffic,
-parallel/eplb_load.py, or in one calibration forward), every other expert lives in its own file on
+parallel/eplb/load.py, or in one calibration forward), every other expert lives in its own file on
 disk and is read into an `ExpertCache` (LRU or LFU, fixed capacity) when a token routes to it.
 `dispatch_with_offload` then places whole blocks on "cpu" or "disk" with accelerate's
 `dispatch_model` from a device map. The logits stay exactly those of the resident model.
@@ -119,7 +119,8 @@ class OffloadedExperts(nn.Module):
                 torch.save(tensors, self.folder / f"expert_{e}.pt")
                 self._written[e] = {k: _fingerprint(t) for k, t in tensors.items()}
         with torch.device("meta"):  # the code path only: its weights are replaced per call
-            template = LatentExperts(1, experts.w13.shape[1], experts.w2.shape[1], experts.activation_clamp)
+            template = LatentExperts(1, experts.w13.shape[1], experts.w2.shape[1], experts.activation_clamp,
+                                     experts.situ_betas)
         # not a registered submodule: its meta weights must stay out of state_dict and .to()
         object.__setattr__(self, "template", template)
         self.bytes_read = 0

@@ -20,8 +20,17 @@ import torch
 import torch.nn.functional as F
 
 from latentmoe_lab.config import DSA, ModelConfig
+from latentmoe_lab.layers.attn_res import stream_width
 
 FORWARD, BACKWARD = "F", "B"
+
+
+def activation_width(config: ModelConfig, layers_done: int) -> int:
+    """Hidden-size vectors per token that a pipeline cut after `layers_done` layers sends: 1 (the residual
+    stream), or with Block AttnRes the embedding, the finished blocks and the partial sum
+    (layers/attn_res.stream_width: 9 at a cut after layer 93 of k3 with blocks of 12)."""
+    block_size = config.attn_res_block_size
+    return 1 if block_size is None else stream_width(layers_done, block_size)
 
 
 def active_parameters(block, config: ModelConfig) -> int:
@@ -202,7 +211,7 @@ def train_step(sharded, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.
     actions = SCHEDULE_FUNCTIONS[pconfig.schedule](pconfig.micro_batches, stages, stage)
     prev_rank = None if stage == 0 else mesh.peer("pp", stage - 1)
     next_rank = None if stage == stages - 1 else mesh.peer("pp", stage + 1)
-    hidden_shape = (micro_ids[0].shape[0], ids.shape[1], sharded.config.hidden_size)
+    hidden_shape = sharded.activation_shape(micro_ids[0].shape[0], ids.shape[1])  # with AttnRes: the packed stream
     dtype = sharded.dtype
     inputs, outputs, pending = {}, {}, []
     loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)

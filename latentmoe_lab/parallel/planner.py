@@ -1,4 +1,7 @@
-"""The planner: per-device memory, traffic and step time of a layout, and whether it fits.
+"""The layout planner: per-device memory, traffic and step time of a parallel layout at full scale, on paper.
+
+Not serving/planner.py (the byte budget of one engine's paged caches) nor parallel/eplb/plan.py (a placement
+of redundant experts, planned with this module); whether a layout fits is decided here.
 
     plan = plan_layout(ModelConfig.from_preset("k3-2.8t"), ParallelConfig.from_layout("EP64xTP8xPP4"),
                        HARDWARE["H100-80GB"], TRAIN_8K)
@@ -27,7 +30,8 @@ from latentmoe_lab.config import DSA, KDA, ModelConfig
 from latentmoe_lab.meta import BITS_PER_WEIGHT, format_bytes
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.hardware import SERVE_128K, TRAIN_8K, Hardware, Workload
-from latentmoe_lab.parallel.pipeline import partition_layers, peak_live_micro_batches, SCHEDULE_FUNCTIONS
+from latentmoe_lab.parallel.pipeline import (activation_width, partition_layers, peak_live_micro_batches,
+                                             SCHEDULE_FUNCTIONS)
 from latentmoe_lab.parallel.roofline import step_times
 from latentmoe_lab.parallel.traffic import moe_a2a_bytes
 
@@ -118,7 +122,7 @@ def stage_parameters(config: ModelConfig, pconfig: ParallelConfig,
                      redundant_experts: int = 0) -> tuple[list[range], list[dict[str, int]]]:
     """(stages, per stage {"experts", "other"} parameters held by one rank of that stage); with
     redundant_experts R, every MoE layer holds ceil((E + R) / ep) expert slots on its fullest rank
-    (parallel/eplb.py)."""
+    (parallel/eplb/rebalance.py)."""
     stages = partition_layers(config, pconfig.pp)
     if isinstance(redundant_experts, bool) or not isinstance(redundant_experts, int) or redundant_experts < 0:
         raise ValueError(f"redundant_experts: must be an integer >= 0, got {redundant_experts!r}")
@@ -197,8 +201,8 @@ def plan_layout(config: ModelConfig, pconfig: ParallelConfig, hardware: Hardware
                 expert_load: dict[int, float] | None = None) -> LayoutPlan:
     """Memory, traffic and step times of `pconfig` for `config` on `hardware` under `workload`.
 
-    redundant_experts: R extra expert slots per MoE layer (parallel/eplb.py); expert_load {layer: max / mean
-    routed pairs per EP rank}: the step time is then the busiest rank's (parallel/eplb_plan.py).
+    redundant_experts: R extra expert slots per MoE layer (parallel/eplb/rebalance.py); expert_load {layer: max / mean
+    routed pairs per EP rank}: the step time is then the busiest rank's (parallel/eplb/plan.py).
     """
     pconfig.validate_for(config)
     memory = device_memory(config, pconfig, workload, redundant_experts)
@@ -210,7 +214,8 @@ def plan_layout(config: ModelConfig, pconfig: ParallelConfig, hardware: Hardware
                       stages=stages, memory_by_stage=memory, params_by_stage=params,
                       traffic={"tokens_per_micro_batch": tokens, **{f"a2a_{k}": v for k, v in a2a.items()},
                                "tp_bytes_per_layer": _tp_payload(config, pconfig, tokens, workload.act_bytes),
-                               "pp_bytes_per_micro_batch": tokens * config.hidden_size * workload.act_bytes},
+                               "pp_bytes_per_micro_batch": tokens * config.hidden_size * workload.act_bytes * max(
+                                   [activation_width(config, stage.stop) for stage in stages[:-1]], default=1)},
                       times=step_times(config, pconfig, hardware, workload, stages, params, expert_load,
                                        redundant_experts))
     plan.fits, plan.reason = _verdict(plan)

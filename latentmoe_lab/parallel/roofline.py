@@ -46,7 +46,7 @@ def layer_time(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, workl
 
     expert_load: max / mean routed pairs per EP rank in this layer (1: even); the device modelled is the
     busiest one, whose experts get expert_load x the mean. redundant_experts: extra expert slots of the
-    layer (parallel/eplb.py), ceil((E + R) / ep) on the fullest rank."""
+    layer (parallel/eplb/rebalance.py), ceil((E + R) / ep) on the fullest rank."""
     moe, tp, ep, act = config.moe, pconfig.tp, pconfig.ep, workload.act_bytes
     is_moe = config.is_moe_layer(layer)
     flops = 2 * other_params * tokens

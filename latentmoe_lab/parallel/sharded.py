@@ -27,60 +27,41 @@ from torch import nn
 
 from latentmoe_lab.cache import HybridCache
 from latentmoe_lab.config import KDA
+from latentmoe_lab.layers.attn_res import AttnResStream, stream_width
 from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.parallel.comm import Comm, PendingTensor
 from latentmoe_lab.parallel.context import ContextParallelDSA, ContextParallelKDA
-from latentmoe_lab.parallel.eplb_serving import check_placement, replicate_layer
-from latentmoe_lab.parallel.expert import AllToAllDispatcher, ParallelMoE, expert_range
+from latentmoe_lab.parallel.eplb.replicas import check_placement
 from latentmoe_lab.parallel.mesh import data_shard
 from latentmoe_lab.parallel.pipeline import partition_layers
 from latentmoe_lab.parallel.sequence import SequenceLayout, gather_sequence, shard_sequence
-from latentmoe_lab.parallel.tensor import TensorParallel, shard_dsa, shard_experts, shard_kda, shard_swiglu
+from latentmoe_lab.parallel.shard_layers import shard_layers
 
 
 def parallelize(model: LatentMoEForCausalLM, comm: Comm, placement: torch.Tensor | None = None) -> "ShardedCausalLM":
     """This rank's share of `model` under the layout of `comm.mesh`. placement: an EPLB expert placement
-    [MoE layers, P] (phy2log of parallel/eplb.py): each MoE layer then holds this rank's P / ep slots and
-    sends every (token, expert) pair to one replica (parallel/eplb_serving.py); inference only."""
+    [MoE layers, P] (phy2log of parallel/eplb/rebalance.py): each MoE layer then holds this rank's P / ep slots and
+    sends every (token, expert) pair to one replica (parallel/eplb/online.py); inference only."""
     if not isinstance(model, LatentMoEForCausalLM):
         raise TypeError(f"model: expected a LatentMoEForCausalLM, got {type(model).__name__}")
     mesh, pconfig, config = comm.mesh, comm.mesh.pconfig, model.config
     pconfig.validate_for(config, mesh.pconfig.world_size)
     stages = partition_layers(config, pconfig.pp, model)
     layout, pending_sends = SequenceLayout(), []
-    tp, tp_index = pconfig.tp, mesh.index("tp")
-    experts = expert_range(config.moe.num_experts, pconfig.ep, mesh.index("ep"))
     if placement is not None:
         check_placement(placement, sum(map(config.is_moe_layer, range(config.num_layers))), config.moe.num_experts,
                         pconfig.ep)
-    blocks, selections = nn.ModuleList(), {}  # selections: this rank's SharedSelection per index source layer
+
+    def around_attention(attn: nn.Module, block: nn.Module) -> nn.Module:
+        if pconfig.cp == 1:
+            return attn
+        return (ContextParallelKDA(attn, comm, layout, pending_sends) if block.attention_type == KDA
+                else ContextParallelDSA(attn, comm, layout))
+
     stage = stages[mesh.index("pp")]
     # one deepcopy for the stage, so a reusing DSA layer's copy still replays its source copy's selections
-    for i, block in zip(stage, copy.deepcopy(nn.ModuleList(model.layers[i] for i in stage))):
-        attn = block.attn
-        if tp > 1:
-            attn = shard_kda(attn, config, tp_index, tp) if block.attention_type == KDA else shard_dsa(
-                attn, config, tp_index, tp, selections)
-        if pconfig.cp > 1:
-            attn = (ContextParallelKDA(attn, comm, layout, pending_sends) if block.attention_type == KDA
-                    else ContextParallelDSA(attn, comm, layout))
-        block.attn = TensorParallel(attn, comm, layout, "tp.attn") if tp > 1 else attn
-        if not block.is_moe:
-            if tp > 1:
-                block.ffn = TensorParallel(shard_swiglu(block.ffn, tp_index, tp), comm, layout, "tp.dense")
-        elif pconfig.ep > 1 or tp > 1:
-            layer = block.ffn
-            if placement is None:
-                layer.experts = shard_experts(layer.experts, experts.start, len(experts), tp_index, tp)
-                dispatcher = AllToAllDispatcher(comm, config.moe.num_experts)
-            else:
-                _, dispatcher = replicate_layer(layer, placement[sum(map(config.is_moe_layer, range(i)))], comm)
-            if layer.shared is not None and tp > 1:
-                # its own layout: the MoE wrapper has already gathered the sequence
-                layer.shared = TensorParallel(shard_swiglu(layer.shared, tp_index, tp), comm, SequenceLayout(),
-                                              "tp.moe_shared")
-            block.ffn = ParallelMoE(layer, dispatcher, comm, layout, pconfig.overlap)
-        blocks.append(block)
+    blocks = copy.deepcopy(nn.ModuleList(model.layers[i] for i in stage))
+    shard_layers(zip(stage, blocks), config, comm, layout, placement, around_attention=around_attention)
     first, last = mesh.is_first_stage, mesh.is_last_stage
     return ShardedCausalLM(model, comm, stages, blocks, layout, pending_sends,
                            copy.deepcopy(model.embed_tokens) if first else None,
@@ -98,6 +79,9 @@ class ShardedCausalLM(nn.Module):
         self.stages, self.layer_ids = stages, list(stages[comm.mesh.index("pp")])
         self.blocks, self.layout, self.pending_sends = blocks, layout, pending_sends
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
+        # Block AttnRes: stages pass the whole stream, packed [S, b, t, hidden]; the last stage's final mix
+        self.attn_res_final = (copy.deepcopy(model.attn_res_final)
+                               if lm_head is not None and model.attn_res_final is not None else None)
         self.dtype = next(model.parameters()).dtype
         self.stage_seconds = 0.0
 
@@ -113,17 +97,30 @@ class ShardedCausalLM(nn.Module):
         return shard_sequence(self.local_rows(input_ids), self.comm.mesh.index("cp"), self.pconfig.cp)
 
     # ------------------------------------------------------------------ one stage
+    def activation_shape(self, rows: int, length: int) -> tuple[int, ...]:
+        """What this stage receives from the previous one: hidden [rows, length, hidden], or with Block AttnRes
+        the packed stream [S, rows, length, hidden], S = the blocks + partial sum after the earlier layers."""
+        shape = (rows, length, self.config.hidden_size)
+        block_size = self.config.attn_res_block_size
+        return shape if block_size is None else (stream_width(self.layer_ids[0], block_size), *shape)
+
     def run_stage(self, x: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """First stage: ids [b, t] -> ...; other stages: hidden [b, t', hidden]. Last stage returns fp32
-        logits [b, t, vocab], the others the hidden state to send on (t' = t / tp under SP)."""
+        """First stage: ids [b, t] -> ...; other stages: `activation_shape` (hidden [b, t', hidden], t' = t / tp
+        under SP). Last stage returns fp32 logits [b, t, vocab], the others the activation to send on."""
         start = time.perf_counter()
         mesh = self.comm.mesh
+        attn_res = self.config.attn_res_block_size is not None
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
             if self.layout.sequence_parallel:
                 x = shard_sequence(x, mesh.index("tp"), mesh.size("tp"))
+            x = AttnResStream.start(x) if attn_res else x
+        elif attn_res:
+            x = AttnResStream.unpack(x)
         for i, block in zip(self.layer_ids, self.blocks):
             x = block(x, None if cache is None else cache[i])
+        if attn_res:  # the mix is per token: on a sequence-parallel shard as on the whole sequence
+            x = self.attn_res_final(x.candidates()) if self.lm_head is not None else x.pack()
         if self.lm_head is not None:
             if self.layout.sequence_parallel:
                 x = gather_sequence(self.comm, x, "tp", "sp.gather")
@@ -150,7 +147,7 @@ class ShardedCausalLM(nn.Module):
         next_rank = None if mesh.is_last_stage else mesh.peer("pp", mesh.index("pp") + 1)
         outputs = []
         for ids in micro:
-            x = ids if prev_rank is None else comm.recv((ids.shape[0], stage_len, self.config.hidden_size),
+            x = ids if prev_rank is None else comm.recv(self.activation_shape(ids.shape[0], stage_len),
                                                         self.dtype, prev_rank, "pp.act")
             out = self.run_stage(x, cache)
             if next_rank is None:

@@ -104,7 +104,7 @@ def shard_dsa(attn: GatedDSA, config: ModelConfig, index: int, parts: int,
 
 def shard_swiglu(ffn: SwiGLU, index: int, parts: int) -> SwiGLU:
     """SwiGLU with a 1/parts slice of the intermediate width; w2 gives a partial sum."""
-    local = SwiGLU(ffn.hidden, ffn.w1.out_features // parts, ffn.activation_clamp)
+    local = SwiGLU(ffn.hidden, ffn.w1.out_features // parts, ffn.activation_clamp, ffn.situ_betas)
     rules = {"w1.weight": (ROWS,), "w3.weight": (ROWS,), "w2.weight": (COLS,)}
     return _load_slices(local, ffn, rules, index, parts)
 
@@ -119,7 +119,7 @@ def shard_experts(experts: LatentExperts, first: int, count: int, index: int, pa
     if not (0 <= first and count >= 1 and first + count <= num_experts):
         raise ValueError(f"first, count: experts [{first}, {first + count}) must lie in [0, {num_experts})")
     inter = double_inter // 2
-    local = LatentExperts(count, latent, inter // parts, experts.activation_clamp)
+    local = LatentExperts(count, latent, inter // parts, experts.activation_clamp, experts.situ_betas)
     with torch.no_grad():
         local.w13.copy_(split(experts.w13[first:first + count], 2, index, parts, [inter, inter]))
         local.w2.copy_(split(experts.w2[first:first + count], 1, index, parts))

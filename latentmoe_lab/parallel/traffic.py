@@ -20,7 +20,7 @@ import torch
 from latentmoe_lab.config import KDA, ModelConfig
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.mesh import coords_rank, data_shard, rank_coords
-from latentmoe_lab.parallel.pipeline import partition_layers
+from latentmoe_lab.parallel.pipeline import activation_width, partition_layers
 
 META_BYTES_PER_SLOT = 8  # int32 local expert id + fp32 routing weight, per top-k slot of a sent row
 COUNT_BYTES = 8  # one int64 row count per destination
@@ -127,7 +127,9 @@ def forward_traffic(config: ModelConfig, pconfig: ParallelConfig, batch: int, se
                 if config.moe.num_shared_experts:
                     counter["tp.moe_shared"] += micro * full_bytes
         if coords["pp"] < pconfig.pp - 1:
-            counter["pp.act"] += micro * (shard_bytes if sequence_parallel else full_bytes)
+            # with Block AttnRes the stage sends its whole stream: blocks + partial sum, not one vector
+            counter["pp.act"] += micro * (shard_bytes if sequence_parallel else full_bytes) * activation_width(
+                config, stage.stop)
         elif sequence_parallel:
             counter["sp.gather"] += micro * (tp - 1) * shard_bytes
         per_rank.append(Counter({tag: n for tag, n in counter.items() if n}))

@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from latentmoe_lab.porting.inventory import operator_inventory
     from latentmoe_lab.porting.report import inventory_rows, inventory_summary
 
+    if args.top < 0:  # a negative count would slice from the end: every op but the last few
+        raise ValueError(f"--top: must be an integer >= 0 (ops listed per table), got {args.top}")
     tokens = args.tokens if args.tokens is not None else (4096 if args.phase == "prefill" else 16)
     context = args.context if args.context is not None else (0 if args.phase == "prefill" else 65536)
     config = ModelConfig.from_preset(args.preset)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from latentmoe_lab.porting.recorder import op_name, tensors_of
 from latentmoe_lab.porting.module_path import ModuleTracker, layer_type
@@ -29,6 +28,9 @@ from latentmoe_lab.porting.op_table import FULL_OP_TABLE, MATMUL_OPS, check_op_n
 MODES = ("strict", "report")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _BOOKKEEPING = ("profiler.",)  # record_function markers: no device work
+# where an mm-class op's two factors start among its positional arguments (the ops of MATMUL_OPS)
+_FACTOR_POSITION = {"aten.mm": 0, "aten.bmm": 0, "aten._grouped_mm": 0,
+                    "aten.addmm": 1, "aten.baddbmm": 1, "aten.baddbmm_": 1}
 
 
 class UnsupportedOperator(RuntimeError):
@@ -152,7 +154,13 @@ class SimDevice(TorchDispatchMode):
 
             def rounded(t):  # products of rounded inputs are exact in fp32: only the inputs lose bits
                 return t.to(rounding).to(t.dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
-            return func(*tree_map(rounded, args), **tree_map(rounded, kwargs))
+            # Only the two factors are rounded. The added term (addmm's / baddbmm's self) is the fp32
+            # accumulator, and rounding it, or an `out=` buffer, would hand the op a copy: an in-place
+            # baddbmm_ or an out= call would then write the copy and leave the caller's tensor as it was
+            # (uninitialised memory for a torch.empty buffer).
+            first = _FACTOR_POSITION[name]
+            args = (*args[:first], *(rounded(a) for a in args[first:first + 2]), *args[first + 2:])
+            return func(*args, **kwargs)
         if name == "aten._to_copy" and kwargs.get("dtype") == torch.float8_e4m3fn and args[0].is_floating_point():
             source = args[0]
             if self.profile.fp8_saturate:

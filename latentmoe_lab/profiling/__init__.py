@@ -3,7 +3,7 @@
     components.py   wall seconds per model component (module hooks) and the heaviest ops
     labels.py       the record_function labels the layers carry, and time by label from a trace
     trace.py        trace(fn, path): one call of fn under torch.profiler, written as a chrome trace
-    workloads.py    prefill / decode / training-step / engine-step callables to trace
+    steps.py        prefill / decode / training-step / engine-step callables to trace
     summary.py      the HTML summary of a trace: top ops, time by component, memory timeline
     cli.py          `latentmoe-lab profile --preset ... --mode prefill|decode|train|engine`
 """

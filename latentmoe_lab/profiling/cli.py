@@ -35,17 +35,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def build_step(model, mode: str, batch: int, prompt_len: int):
-    """The callable `trace` records for `mode` (see profiling/workloads.py)."""
-    from latentmoe_lab.profiling import workloads
+    """The callable `trace` records for `mode` (see profiling/steps.py)."""
+    from latentmoe_lab.profiling import steps
 
     if mode == "prefill":
-        return workloads.prefill_step(model, batch, prompt_len)
+        return steps.prefill_step(model, batch, prompt_len)
     if mode == "decode":
-        return workloads.decode_step(model, batch, prompt_len)
+        return steps.decode_step(model, batch, prompt_len)
     if mode == "train":
-        return workloads.train_step(model, batch, prompt_len)
+        return steps.train_step(model, batch, prompt_len)
     if mode == "engine":
-        return workloads.engine_step(decoding_engine(model, batch, prompt_len))
+        return steps.engine_step(decoding_engine(model, batch, prompt_len))
     raise ValueError(f"mode: must be one of {MODES}, got {mode!r}")
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from latentmoe_lab.layers.moe import LatentExperts
 from latentmoe_lab.ops.backend import resolve_backend
-from latentmoe_lab.ops.routing import grouped_matmul, grouped_matmul_reference, swiglu
+from latentmoe_lab.ops.routing import expert_glu, grouped_matmul, grouped_matmul_reference
 from latentmoe_lab.quant.activations import ActivationQuantizer, keep_fp32_buffers
 from latentmoe_lab.quant.linear import weight_format
 
@@ -28,18 +28,21 @@ from latentmoe_lab.quant.linear import weight_format
 TILE_BYTES = 64 * 2**20
 
 
-def _glu(gate_up: torch.Tensor, clamp: float | None) -> torch.Tensor:
+def _glu(gate_up: torch.Tensor, clamp: float | None, situ_betas: tuple[float, float] | None) -> torch.Tensor:
+    """[..., 2*inter] (gate | up) -> the experts' activation: SwiGLU (optional clamp), or SiTU with situ_betas."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return swiglu(gate, up, clamp)
+    return expert_glu(gate, up, clamp, situ_betas)
 
 
 class QuantLatentExperts(nn.Module):
     def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, fmt: str,
                  activation_clamp: float | None = None, act13: ActivationQuantizer | None = None,
-                 act2: ActivationQuantizer | None = None, device=None):
+                 act2: ActivationQuantizer | None = None, device=None,
+                 situ_betas: tuple[float, float] | None = None):
         super().__init__()
         self.num_experts, self.latent_size, self.intermediate_size = num_experts, latent_size, intermediate_size
         self.activation_clamp = activation_clamp
+        self.situ_betas = situ_betas  # (beta_gate, beta_up): SiTU experts as LatentExperts has them (§18)
         self.format = weight_format(fmt)
         shapes = {"w13": (num_experts, 2 * intermediate_size, latent_size),
                   "w2": (num_experts, latent_size, intermediate_size)}
@@ -54,7 +57,7 @@ class QuantLatentExperts(nn.Module):
                      act2: ActivationQuantizer | None = None) -> "QuantLatentExperts":
         num_experts, latent, two_inter = experts.w13.shape
         module = cls(num_experts, latent, two_inter // 2, fmt, experts.activation_clamp, act13, act2,
-                     experts.w13.device)
+                     experts.w13.device, experts.situ_betas)
         for name in ("w13", "w2"):
             for key, tensor in module.format.pack(getattr(experts, name).detach().transpose(1, 2)).items():
                 setattr(module, f"{name}_{key}", tensor)
@@ -90,7 +93,8 @@ class QuantLatentExperts(nn.Module):
             start, stop = int(offsets[ids[0]] - counts[ids[0]]), int(offsets[ids[-1]])
             tile_offsets = offsets[ids] - start  # end offset of each tile expert's rows inside the tile
             hidden = _glu(grouped_matmul(self._quantize_input(self.act13, z_perm[start:stop]),
-                                         self._weights("w13", ids), tile_offsets), self.activation_clamp)
+                                         self._weights("w13", ids), tile_offsets), self.activation_clamp,
+                          self.situ_betas)
             out[start:stop] = grouped_matmul(self._quantize_input(self.act2, hidden), self._weights("w2", ids),
                                              tile_offsets)
         return out.to(z_perm.dtype)
@@ -101,7 +105,7 @@ class QuantLatentExperts(nn.Module):
         fmt = self.format.name
         gate_up = dequant_grouped_gemm(self._quantize_input(self.act13, z_perm), self.w13_data, self.w13_scale,
                                        offsets, fmt, self.latent_size)
-        hidden = self._quantize_input(self.act2, _glu(gate_up, self.activation_clamp))
+        hidden = self._quantize_input(self.act2, _glu(gate_up, self.activation_clamp, self.situ_betas))
         return dequant_grouped_gemm(hidden, self.w2_data, self.w2_scale, offsets, fmt,
                                     self.intermediate_size).to(z_perm.dtype)
 
@@ -110,14 +114,15 @@ class QuantLatentExperts(nn.Module):
         self._check_counts(counts)
         offsets = counts.cumsum(0)
         hidden = _glu(grouped_matmul_reference(self._quantize_input(self.act13, z_perm), self._weights("w13"),
-                                               offsets), self.activation_clamp)
+                                               offsets), self.activation_clamp, self.situ_betas)
         return grouped_matmul_reference(self._quantize_input(self.act2, hidden), self._weights("w2"),
                                         offsets).to(z_perm.dtype)
 
     def expert_reference(self, z: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert_e(z) for one latent token z [latent] -> [latent] (what LatentMoE.reference_forward calls)."""
         ids = torch.tensor([expert], device=z.device)
-        hidden = _glu(self._quantize_input(self.act13, z[None]) @ self._weights("w13", ids)[0], self.activation_clamp)
+        hidden = _glu(self._quantize_input(self.act13, z[None]) @ self._weights("w13", ids)[0], self.activation_clamp,
+                      self.situ_betas)
         return (self._quantize_input(self.act2, hidden) @ self._weights("w2", ids)[0])[0].to(z.dtype)
 
     def _apply(self, fn, recurse=True):

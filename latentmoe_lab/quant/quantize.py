@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from latentmoe_lab.layers.moe import LatentExperts
-from latentmoe_lab.meta import component_of
+from latentmoe_lab.param_components import component_of
 from latentmoe_lab.quant.activations import ActivationQuantizer
 from latentmoe_lab.quant.calibration import calibrate, channel_absmax
 from latentmoe_lab.quant.experts import QuantLatentExperts
@@ -87,7 +87,7 @@ def quantize_model(model: nn.Module, recipe: "str | Recipe | dict", batches: Ite
             act13, act2 = _activation(recipe, name, latent), _activation(recipe, name, two_inter // 2)
             new = (QuantLatentExperts.from_experts(module, fmt, act13, act2) if pack else
                    QuantLatentExperts(module.w13.shape[0], latent, two_inter // 2, fmt, module.activation_clamp,
-                                      act13, act2, module.w13.device))
+                                      act13, act2, module.w13.device, module.situ_betas))
         else:
             act = _activation(recipe, name, module.in_features, smooth.get(name), recipe.smooth_alpha is not None)
             new = (QuantLinear.from_linear(module, fmt, act) if pack else

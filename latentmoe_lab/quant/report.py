@@ -11,7 +11,8 @@ import math
 import torch
 from torch import nn
 
-from latentmoe_lab.meta import COMPONENTS, component_of, format_bytes
+from latentmoe_lab.meta import format_bytes
+from latentmoe_lab.param_components import COMPONENTS, component_of
 
 
 def held_bytes_by_component(model: nn.Module) -> dict[str, int]:

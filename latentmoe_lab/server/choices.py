@@ -117,6 +117,8 @@ def token_string(token_id: int) -> str:
 
 
 def token_bytes(token_id: int) -> list[int]:
+    """The bytes this token adds to the text (a chat logprobs entry's `bytes`): a byte itself, a special's name,
+    b'?' for an id past the byte vocabulary (decoded as '?'), so that the entries' bytes rebuild the content."""
     if token_id in _SPECIAL_NAMES:
         return list(_SPECIAL_NAMES[token_id].encode())
-    return [token_id] if 0 <= token_id < NUM_BYTES else []
+    return [token_id] if 0 <= token_id < NUM_BYTES else list(b"?")

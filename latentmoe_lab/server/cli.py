@@ -34,37 +34,43 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    """Every check first (the port is bound before the model loads), then load, serve and the one shutdown of
+    server/lifecycle.py, whatever stops it (SIGTERM, SIGINT, SIGHUP, the parent gone)."""
     from latentmoe_lab.server.app import build_app
-    from latentmoe_lab.server.loading import load_model, source_line, with_checkpoint
-    from latentmoe_lab.server.settings import load_service_file
+    from latentmoe_lab.server.lifecycle import StopRequests, bind_port, load, serve, shutdown
+    from latentmoe_lab.server.loading import load_model, resolve_service, source_line
     from latentmoe_lab.server.worker import EngineWorker
 
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port: must be in [1, 65535], got {args.port}")
-    config, settings = load_service_file(args.config)
-    config = with_checkpoint(config, args.checkpoint)
-    config = _set_threads(config, args.threads)
+    config, settings = resolve_service(args.config, args.checkpoint)  # as plan-service and serve-bench do
     api_key = _api_key(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
-    if config.disaggregation.enabled:  # instance processes with roles, one endpoint (docs/design.md §13.2)
-        from latentmoe_lab.server.disagg_worker import DisaggWorker
-
-        d = config.disaggregation
-        worker = DisaggWorker(config, settings, load_model)
-        print(f"disaggregated: {d.prefill_instances} prefill + {d.decode_instances} decode instance processes, "
-              f"transport {d.transport}", file=sys.stderr)
-    else:
-        worker = EngineWorker(config, settings, lambda: load_model(config))
-    print(f"{source_line(config)}; loading ...", file=sys.stderr, flush=True)
-    worker.start()
+    sock = bind_port(args.host, args.port)  # before anything prints or loads: a port in use is one line
     try:
-        uvicorn.run(build_app(worker, api_key), host=args.host, port=args.port, log_level="info",
-                    log_config=access_log_config())
+        config = _set_threads(config, args.threads)
+        if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
+        if config.disaggregation.enabled:  # instance processes with roles, one endpoint (docs/design.md §13.2)
+            from latentmoe_lab.server.disagg_worker import DisaggWorker
+
+            d = config.disaggregation
+            worker = DisaggWorker(config, settings, load_model)
+            print(f"disaggregated: {d.prefill_instances} prefill + {d.decode_instances} decode instance "
+                  f"processes, transport {d.transport}", file=sys.stderr)
+        else:
+            worker = EngineWorker(config, settings, lambda: load_model(config))
+        with StopRequests() as stop:
+            print(f"{source_line(config)}; loading ...", file=sys.stderr, flush=True)
+            try:
+                loaded = load(worker.start, stop)
+            except BaseException:
+                worker.stop()  # whatever the failed load had started
+                raise
+            try:
+                if loaded:
+                    serve(build_app(worker, api_key), sock, stop, access_log_config())
+            finally:
+                shutdown(worker.stop, stop)
     finally:
-        worker.stop()
+        sock.close()
     return 0
 
 

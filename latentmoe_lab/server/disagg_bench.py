@@ -3,7 +3,7 @@
 The same synthetic workload as the colocated serve-bench (token prompts only: a payload cannot carry images,
 §13.1) goes through a DisaggWorker, as `serve` runs it, driven the way the HTTP handlers call it
 (server/drive.py). At the end the router asks each instance process for its engine's step log; the report
-shows each instance's steps over time and the transfers between them (report_disagg.py). The instances are
+shows each instance's steps over time and the transfers between them (server/disagg_report.py). The instances are
 stopped before the report is written, whatever happened.
 """
 from __future__ import annotations
@@ -14,14 +14,12 @@ import dataclasses
 from latentmoe_lab.serving.metrics import DEFAULT_MAX_RECORDS
 
 
-def bench_config(path: str, threads: int | None):
+def bench_config(path: str, threads: int | None, checkpoint: str | None = None):
     """The service file as `serve` loads it (role plans checked, model.checkpoint_if_present honoured), each
     instance keeping every step record of the run, and --threads as each instance's forward threads."""
-    from latentmoe_lab.server.loading import with_checkpoint
-    from latentmoe_lab.server.settings import load_service_file
+    from latentmoe_lab.server.loading import resolve_service
 
-    config, settings = load_service_file(path)
-    config = with_checkpoint(config, None)
+    config, settings = resolve_service(path, checkpoint)
     scheduler = dataclasses.replace(config.scheduler, max_log_records=DEFAULT_MAX_RECORDS)
     parallel = config.parallel if threads is None else dataclasses.replace(config.parallel, forward_threads=threads)
     return dataclasses.replace(config, scheduler=scheduler, parallel=parallel), settings
@@ -31,16 +29,16 @@ def serve_bench_disagg(args: argparse.Namespace, say) -> int:
     from tqdm.auto import tqdm
 
     from latentmoe_lab.report import write_html_report
-    from latentmoe_lab.report_disagg import disagg_report_sections, instance_line
+    from latentmoe_lab.server.disagg_report import disagg_report_sections, instance_line
     from latentmoe_lab.server.disagg_worker import DisaggWorker
     from latentmoe_lab.server.drive import drive
     from latentmoe_lab.server.loading import load_model, source_line
-    from latentmoe_lab.serving.workload import synthetic_workload
+    from latentmoe_lab.serving.bench_workload import synthetic_workload
 
     if args.image_fraction:
         raise ValueError(f"--image-fraction: a disaggregated service cannot transfer prompts with images "
                          f"(docs/design.md §13.1); give 0, got {args.image_fraction}")
-    config, settings = bench_config(args.config, args.threads)
+    config, settings = bench_config(args.config, args.threads, args.checkpoint)
     d = config.disaggregation
     say(f"{source_line(config)}; starting {d.prefill_instances} prefill + {d.decode_instances} decode instances")
     worker = DisaggWorker(config, settings, load_model)

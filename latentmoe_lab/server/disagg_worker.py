@@ -16,10 +16,10 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from latentmoe_lab.server.prom import LATENCY_BUCKETS, PREFIX, ServerMetrics
 from latentmoe_lab.server.settings import ServerSettings
-from latentmoe_lab.server.worker import Event
 from latentmoe_lab.serving import ServiceConfig
+from latentmoe_lab.serving.client_request import RequestEvent
 from latentmoe_lab.serving.disagg.router import Router
-from latentmoe_lab.serving.disagg.router_request import RequestEvent, TransferRecord
+from latentmoe_lab.serving.disagg.router_request import TransferRecord
 
 INSTANCE_GAUGES = ("running", "waiting", "held", "blocks_used", "slots_used")
 
@@ -88,15 +88,20 @@ class DisaggWorker:
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=self.router.vocab_size))
         self._publish()
 
-    def stop(self) -> None:
-        if self.router is not None:
-            self.router.stop()
+    def stop(self) -> str:
+        """Stop the instance processes (each closes its engine, writing its prefix cache to disk_dir if it has
+        one); returns what it did (serve's shutdown line)."""
+        if self.router is None:
+            return "no instance was running"
+        self.router.stop()
+        names = [instance.name for instance in self.router.all_instances()]
+        return f"instance processes {', '.join(names)} stopped (each closed its engine)"
 
     def health_problem(self) -> str | None:
         self._publish()
         return self.router.problem()
 
-    def submit(self, prompt_ids: list[int], params, deliver: Callable[[Event], None]) -> Future:
+    def submit(self, prompt_ids: list[int], params, deliver: Callable[[RequestEvent], None]) -> Future:
         future: Future = Future()
         accepted, token_times, decode_times = time.monotonic(), [], []
 
@@ -112,8 +117,7 @@ class DisaggWorker:
                 self.metrics.generation_tokens.inc(len(event.token_ids))
             if event.finished:
                 self._finished(event, accepted, token_times, decode_times)
-            deliver(Event(event.token_ids, event.finished, event.finish_reason, event.error, event.logprobs,
-                          event.prompt_logprobs))
+            deliver(event)
 
         try:
             key = self.router.submit(prompt_ids, params, relay)

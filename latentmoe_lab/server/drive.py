@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from latentmoe_lab.serving.workload import WorkloadRequest
+from latentmoe_lab.serving.bench_workload import WorkloadRequest
 
 
 @dataclass

@@ -59,7 +59,7 @@ class ServerMetrics:
         self.rank_resident = Gauge(f"{p}_worker_resident_memory_bytes", "a worker rank's resident memory at its "
                                    "last step (the server process's own is process_resident_memory_bytes)",
                                    ["rank"], registry=r)
-        # expert-parallel load (parallel/eplb_load.py): mean / max routed tokens per EP rank over the
+        # expert-parallel load (parallel/eplb/load.py): mean / max routed tokens per EP rank over the
         # recorder's window, averaged over MoE layers; routed tokens per (MoE layer, logical expert)
         self.expert_balancedness = Gauge(f"{p}_expert_balancedness", "mean / max routed tokens per EP rank over "
                                          "the last eplb.window_steps steps, averaged over MoE layers", registry=r)
@@ -67,7 +67,7 @@ class ServerMetrics:
                                      ["layer", "expert"], registry=r)
         self.eplb_bytes_moved = Counter(f"{p}_eplb_bytes_moved", "expert weight bytes copied by EPLB migrations",
                                         registry=r)
-        # prefix cache spill (serving/prefix_spill.py): Engine.stats() has these keys only with a prefix_cache:
+        # prefix cache spill (serving/cache_tiers/spill.py): Engine.stats() has these keys only with a prefix_cache:
         # section, and the series appear when it does
         self.prefix_hits = Counter(f"{p}_prefix_hits", "prefix-cache hits by the deepest tier they read "
                                    "(refused: a spilled entry failed its checks and was recomputed)", ["tier"],

@@ -1,6 +1,6 @@
 """The engine requests of one HTTP request (best_of samples per prompt) and their events (docs/design.md §10).
 
-Each sample is one engine request; their events arrive on one asyncio.Queue as (sample index, Event),
+Each sample is one engine request; their events arrive on one asyncio.Queue as (sample index, RequestEvent),
 fed from the engine thread through the loop's _Mailbox. A client that goes away, or a request past
 server.request_timeout_s, aborts every sample still running, which frees its blocks and slot.
 """
@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 
 from latentmoe_lab.server.errors import APIError, bad_request
 from latentmoe_lab.server.protocol import ParsedRequest
-from latentmoe_lab.server.worker import EngineWorker, Event
+from latentmoe_lab.server.worker import EngineWorker
 from latentmoe_lab.serving import QueueFullError
+from latentmoe_lab.serving.client_request import RequestEvent
 
 DISCONNECT_POLL_S = 0.25
 _FIELD = re.compile(r"[a-z_][a-z0-9_.\[\]]*")
@@ -55,7 +56,7 @@ class Samples:
         """Sample `index` reached a stop string: end it (its end event still arrives)."""
         self.worker.abort(self.keys[index], "stop")
 
-    async def events(self, request, poll: bool) -> AsyncIterator[tuple[int, Event]]:
+    async def events(self, request, poll: bool) -> AsyncIterator[tuple[int, RequestEvent]]:
         """(index, event) until every sample ended; aborts all on a disconnect (poll=True) or a timeout."""
         settings, metrics = self.worker.settings, self.worker.metrics
         deadline = time.monotonic() + settings.request_timeout_s
@@ -73,7 +74,8 @@ class Samples:
                 metrics.errors.labels(kind="request_timeout").inc()
                 index = min(self.running)
                 self.running.clear()
-                yield index, Event([], True, "error", f"request_timeout: unfinished after {settings.request_timeout_s} s")
+                yield index, RequestEvent([], True, "error",
+                                          f"request_timeout: unfinished after {settings.request_timeout_s} s")
                 return
             try:
                 async with asyncio.timeout(DISCONNECT_POLL_S):  # a timer, not a task per event (wait_for)

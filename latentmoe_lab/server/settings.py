@@ -23,11 +23,11 @@ A fifth, optional section belongs to the HTTP service and is taken off before Se
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentmoe_lab.config_fields import describe, key_name
+from latentmoe_lab.config_fields import describe, section_from_dict
 from latentmoe_lab.serving import ServiceConfig
 from latentmoe_lab.serving.config import read_service_file, section_values
 from latentmoe_lab.yaml_loader import errors_name_file
@@ -69,11 +69,7 @@ class ServerSettings:
     def from_dict(cls, values: dict[str, Any]) -> "ServerSettings":
         if not isinstance(values, dict):
             raise ValueError(f"server: expected a mapping of keys, got {describe(values)}")
-        known = [f.name for f in fields(cls)]
-        for key in values:
-            if key not in known:
-                raise ValueError(f"server.{key_name(key)}: unknown key; expected some of {known}")
-        return cls(**values)
+        return section_from_dict(cls, values, "server")
 
 
 def split_service_dict(data: dict[str, Any]) -> tuple[ServiceConfig, ServerSettings]:
@@ -88,19 +84,27 @@ def split_service_dict(data: dict[str, Any]) -> tuple[ServiceConfig, ServerSetti
     return ServiceConfig.from_dict(rest), ServerSettings.from_dict(section_values(data, "server"))
 
 
+def engine_config_from_yaml(path: str | Path) -> ServiceConfig:
+    """ServiceConfig.from_yaml with the file's `server:` section checked too (then left out): what plan-service
+    and serve-bench load, so that a file they accept is one `serve` accepts."""
+    from latentmoe_lab.serving.service_plan import check_loaded_plans
+
+    data = read_service_file(path, "path")
+    with errors_name_file(path):
+        ServerSettings.from_dict(section_values(data, "server"))
+    return check_loaded_plans(ServiceConfig.from_file_data(data, path), path)
+
+
 def load_service_file(path: str | Path) -> tuple[ServiceConfig, ServerSettings]:
     """`serve`'s loader: split_service_dict of the file, then the engine's plan of a preset and the host's
     limits, as ServiceConfig.from_yaml checks them."""
-    from latentmoe_lab.serving.host_limits import check_fits_host
-    from latentmoe_lab.serving.planner import check_engine_plan
+    from latentmoe_lab.serving.service_plan import check_loaded_plans, check_role_plans
 
     data = read_service_file(path, "--config")
     with errors_name_file(path):
         config, settings = split_service_dict(data)
-        check_engine_plan(config)
-        check_fits_host(config)
-        if config.disaggregation.enabled:  # each role's plan: a decode cache that holds one request
-            from latentmoe_lab.serving.disagg.service_config import check_role_plans
-
+    check_loaded_plans(config, path)
+    if config.disaggregation.enabled:  # each role's plan: a decode cache that holds one request
+        with errors_name_file(path):
             check_role_plans(config)
     return config, settings

@@ -22,7 +22,7 @@ Faults, and what the worker does about them:
     a step hangs                  past server.step_timeout_s the same restart; the old thread, when it
                                   returns, finds its generation stale and exits without a word.
     a parallel worker process     the engine replaces its worker group itself and recomputes (serving/
-    dies or hangs                 parallel_runner.py); counted as restarts{cause="parallel_worker_lost"}.
+    dies or hangs                 workers/parallel_runner.py); counted as restarts{cause="parallel_worker_lost"}.
 
 So a request that breaks every step it is in fails alone after exactly server.max_retries retries, and
 its step-mates are charged nothing; data-dependent failures the engine can pin on one request at once
@@ -39,12 +39,14 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
+from latentmoe_lab.server.lifecycle import closed_line
 from latentmoe_lab.server.prom import ServerMetrics
 from latentmoe_lab.server.settings import ServerSettings
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig, StepError
+from latentmoe_lab.serving.client_request import ClientRequest, RequestEvent
 
 log = logging.getLogger(__name__)
 WATCHDOG_POLL_S = 0.2
@@ -52,41 +54,12 @@ IDLE_WAIT_S = 0.5
 STOP_TIMEOUT_S = 30
 
 
-@dataclass(frozen=True)
-class Event:
-    """What a request's deliver callback gets: new token ids (with their logprobs when asked for; the prompt's
-    logprobs once, before or with its first token), or the end (finish_reason, error)."""
-
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None
-
-
 @dataclass(eq=False)
-class _Request:
-    key: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    deliver: Callable[[Event], None]
-    accepted: float = field(default_factory=time.monotonic)
-    generated: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
+class _Request(ClientRequest):
     retries: int = 0
     engine_id: int | None = None
     aborted: bool = False
     prompt_logprobs_sent: bool = False
-
-    def resumed(self) -> tuple[list[int], SamplingParams]:
-        """Prompt + tokens so far, and the params for the rest (recompute after a failure)."""
-        if not self.generated:
-            return self.prompt_ids, self.params
-        seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + len(self.generated)) % 2**63
-        params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(self.generated),
-                                     seed=seed, prompt_logprobs=None)  # those went out with the first token
-        return self.prompt_ids + self.generated, params
 
 
 class EngineWorker:
@@ -124,7 +97,8 @@ class EngineWorker:
         self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
         self._watchdog.start()
 
-    def stop(self) -> None:
+    def stop(self) -> str:
+        """Stop the engine threads and close the engine; returns what it did (serve's shutdown line)."""
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
@@ -134,8 +108,11 @@ class EngineWorker:
         for thread in [*self._spawned, self._watchdog]:
             if thread is not None:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if self.engine is not None:
-            self.engine.close()  # a parallel engine's worker processes
+        if self.engine is None:
+            return "no engine was running"
+        written = self.engine.stats().get("spill_bytes_host_to_disk", 0)
+        self.engine.close()  # a parallel engine's worker processes; the prefix cache to prefix_cache.disk_dir
+        return closed_line(self.config, written, self.engine.stats())
 
     def alive(self) -> bool:
         return not self.gave_up and self._thread is not None and self._thread.is_alive()
@@ -155,7 +132,8 @@ class EngineWorker:
         return None if not down else f"forward worker {down[0]}"
 
     # -------------------------------------------------------------- HTTP side
-    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> Future:
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               deliver: Callable[[RequestEvent], None]) -> Future:
         """Queue a request; the future gives its key once the engine accepted it, or the engine's refusal
         (QueueFullError, ValueError). Events then arrive through deliver, on the engine thread."""
         future: Future = Future()
@@ -277,7 +255,7 @@ class EngineWorker:
             request.token_times += [now] * len(out.new_token_ids)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             logprobs = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if out.logprobs else []
-            request.deliver(Event(list(out.new_token_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+            request.deliver(RequestEvent(list(out.new_token_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         if out.finished:
             del self._by_engine_id[out.request_id]
             self._finish(request, out.finish_reason, out.error)
@@ -288,7 +266,7 @@ class EngineWorker:
         self.metrics.observe_finished(reason, request.token_times, request.accepted, time.monotonic())
         if reason == "error":
             self.metrics.errors.labels(kind=(error or "error").split(":")[0]).inc()
-        request.deliver(Event([], True, reason, error))
+        request.deliver(RequestEvent([], True, reason, error))
 
     def _publish_stats(self) -> None:
         self.last_stats = self.engine.stats()

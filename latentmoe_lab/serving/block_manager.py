@@ -105,7 +105,7 @@ class BlockManager:
 
     def evicting(self, block_hash: bytes, block: int | None, snapshot_row: int | None) -> None:
         """Called just before an evicted cached block and/or snapshot row is reused (their contents still
-        intact): here they are simply forgotten; serving/prefix_spill.py copies them out to host and disk."""
+        intact): here they are simply forgotten; serving/cache_tiers/spill.py copies them out to host and disk."""
 
     def emptied(self) -> BlockManager:
         """Empty bookkeeping of the same pools: no block or slot held, no prefix cached."""

@@ -45,11 +45,14 @@ Six sections, the keys of the public example first, then ours where the example 
                                    (default H200-141GB)
       offload               map    ours: DSA latent rows in a host tier, top-k rows swapped into a device
                                    hot buffer per sequence (host_cache_bytes, hot_rows_per_layer; absent:
-                                   off; serving/offload_section.py lists the keys, docs/design.md §15.1)
+                                   off; serving/cache_tiers/offload_section.py lists the keys, docs/design.md §15.1)
     scheduler:
-      max_batch_size        int    requests held, waiting + running; past it a request is refused ("queue full")
+      max_batch_size        int    the queue's capacity: requests held, waiting + running; past it a request is
+                                   refused ("queue full"). Not a batch size: memory.max_num_seqs bounds a step's
+                                   sequences (vLLM's max_num_seqs), prefill_chunk_size its tokens
       chunked_prefill       bool   false: a prompt is prefilled whole in one step (it may overrun the budget)
-      prefill_chunk_size    int    the token budget of one step (decodes take one token each)
+      prefill_chunk_size    int    the token budget of a whole step, decodes (one token each) and prefill chunks
+                                   together (vLLM's max_num_batched_tokens), not the size of one chunk
       max_step_retries      int    ours: failed steps a request may be retried after, once a failure is
                                    pinned on it alone (docs/design.md §6.5); one more and it fails alone
                                    with error "engine_step_failed" (default 3; a server sets server.max_retries)
@@ -58,7 +61,7 @@ Six sections, the keys of the public example first, then ours where the example 
       batch_invariant       bool   ours: a request's logits bit for bit independent of its step-mates, the
                                    budget and prefix hits (serving/invariance.py; default false: it costs
                                    budget at chunk ends and 13-21% of the engine's throughput on the CPU)
-    eplb:                          ours: expert-parallel load balancing (parallel/eplb_serving.py, design §14)
+    eplb:                          ours: expert-parallel load balancing (parallel/eplb/online.py, design §14)
       enabled               bool   redundant expert slots and online migration on the EP workers (default
                                    false; needs parallel.expert_parallel_size > 1)
       num_redundant_experts int    extra slots per MoE layer, >= 0; experts + it must divide by the EP size
@@ -71,6 +74,11 @@ Six sections, the keys of the public example first, then ours where the example 
       num_speculative_tokens int   K, draft tokens per step and sequence, 1..8 (required with method)
       prompt_lookup_min     int    ngram only: the shortest suffix matched, >= 1 (default 1)
       prompt_lookup_max     int    ngram only: the longest, >= prompt_lookup_min (default 4)
+      adaptive              bool   ours: k per sequence and step in 0..K from its recent acceptance
+                                   (spec/draft_count.py; default false: always K)
+      draft_cost            float  with adaptive: a draft token's cost in plain decode steps, (0, 10] (0.25)
+      probe_interval        int    with adaptive: steps at k = 0 before a one-draft probe, >= 1 (8)
+      max_context           int    no drafts for a sequence longer than this many tokens, >= 1 (no limit)
     disaggregation:                ours: prefill/decode disaggregation (serving/disagg/, docs/design.md §13;
                                    absent: one colocated engine)
       prefill_instances     int    prefill instance processes, >= 1
@@ -79,35 +87,39 @@ Six sections, the keys of the public example first, then ours where the example 
       prefill, decode       map    per-role overrides of model / parallel / memory / scheduler keys
                                    ({memory: {cache_bytes: ...}}); weights and cache dtype must agree
     prefix_cache:                  ours: evicted prefix-cache blocks spill to host and disk (absent: off;
-                                   serving/prefix_spill_section.py lists the keys, docs/design.md §15.3)
+                                   serving/cache_tiers/spill_section.py lists the keys, docs/design.md §15.3)
 
 A file is read by latentmoe_lab/yaml_loader.py (no anchors, aliases, tags or duplicate keys; ints are
 plain decimals; errors name the file, line and column). A section may be left empty (`memory:` alone:
 defaults); any other value that is not a mapping ('', 0, false, []) is an error naming the section, as
 is a file that is not a mapping. Unknown keys, wrong types and inconsistent values raise ValueError
 naming the key path, showing values at most 200 characters long (config_fields.describe). Loading a
-file (from_yaml here, load_service_file for `serve`) also checks the optional `server:` section
-(server/settings.py), the engine's layout and cache plan when model.preset is given
-(planner.check_engine_plan) and the sizes this host cannot run (serving/host_limits.py).
+file through service_plan.load_service_config (or server/settings.py's loaders, which also check the optional
+`server:` section) checks the engine's layout and cache plan when model.preset is given
+(service_plan.check_engine_plan) and the sizes this host cannot run (serving/host_limits.py); from_yaml
+here parses and validates the file alone.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from latentmoe_lab.config_fields import check_field_types, describe, key_name
-from latentmoe_lab.serving.offload_section import OffloadSection, offload_section
-from latentmoe_lab.serving.prefix_spill_section import PrefixCacheSection, check_prefix_cache
+from latentmoe_lab.config_fields import (check, check_choice, check_field_types, check_positive_int, describe,
+                                         key_name, section_from_dict)
+from latentmoe_lab.serving.cache_tiers.offload_section import OffloadSection, offload_section
+from latentmoe_lab.serving.cache_tiers.spill_section import PrefixCacheSection, check_prefix_cache
+from latentmoe_lab.serving.disagg.section import DisaggregationSection, check_disaggregation
 from latentmoe_lab.serving.spec.section import SpeculativeSection, check_speculative
 from latentmoe_lab.yaml_loader import errors_name_file, file_label, read_yaml_file
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
-ROLES = ("colocated", "prefill", "decode")
-TRANSPORTS = ("pipe",)
+LAYOUT_KEYS = {"tp": "tensor_parallel_size", "ep": "expert_parallel_size", "pp": "pipeline_parallel_size"}
 MIN_MODEL_LEN = 2  # one prompt token and one generated token
 MIN_GROUP_TIMEOUT_S = 0.1  # shorter, and a worker group cannot even form (gloo's rendezvous takes longer)
+MAX_EPLB_WINDOW_STEPS = 100_000  # the window holds steps x MoE layers x experts int64 counters
+MAX_EPLB_SLOTS = 8192  # parallel/eplb/rebalance.py's MAX_SLOTS_PER_LAYER: the model's check then narrows it
 MAX_LOG_RECORDS = 1_000_000  # Engine.log's records take a few hundred bytes each: a few hundred MB at most
 
 
@@ -144,7 +156,7 @@ class MemorySection:
     enable_prefix_caching: bool = False
     prefix_snapshot_slots: int | None = None
     device: str = "H200-141GB"
-    offload: OffloadSection | None = None  # DSA latent rows in a host tier (serving/offload_section.py)
+    offload: OffloadSection | None = None  # DSA latent rows in a host tier (serving/cache_tiers/offload_section.py)
 
     def __post_init__(self) -> None:
         self.offload = offload_section(self.offload)  # a mapping from the file -> a checked OffloadSection
@@ -159,9 +171,9 @@ class MemorySection:
 
 @dataclass
 class SchedulerSection:
-    max_batch_size: int = 64
+    max_batch_size: int = 64  # the queue's capacity (waiting + running requests), not a step's batch
     chunked_prefill: bool = True
-    prefill_chunk_size: int = 512
+    prefill_chunk_size: int = 512  # one step's token budget, decodes included (vLLM's max_num_batched_tokens)
     max_step_retries: int = 3
     max_log_records: int = 100_000
     batch_invariant: bool = False
@@ -176,22 +188,10 @@ class EplbSection:
     layers_per_step: int = 1
 
 
-@dataclass
-class DisaggregationSection:
-    prefill_instances: int = 0  # 0 and 0: the section is absent, one colocated engine serves
-    decode_instances: int = 0
-    transport: str = "pipe"
-    prefill: dict | None = None  # {section: {key: value}} overriding the file for the prefill instances
-    decode: dict | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.prefill_instances > 0 or self.decode_instances > 0
-
-
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
             "scheduler": SchedulerSection, "eplb": EplbSection, "speculative": SpeculativeSection,
             "prefix_cache": PrefixCacheSection, "disaggregation": DisaggregationSection}
+OUTER_SECTIONS = ("server",)  # the HTTP service's section of a service file: server/settings.py checks it
 
 
 @dataclass
@@ -212,26 +212,23 @@ class ServiceConfig:
         unknown = sorted(str(key) for key in set(data) - set(SECTIONS))
         if unknown:
             raise ValueError(f"{key_name(unknown[0])}: unknown section; expected some of {list(SECTIONS)}")
-        config = cls(**{name: _section_from_dict(section_cls, section_values(data, name), name)
+        config = cls(**{name: section_from_dict(section_cls, section_values(data, name), name)  # then validate()
                         for name, section_cls in SECTIONS.items()})
         config.validate()
         return config
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ServiceConfig":
-        """The engine's part of a service file, loaded as `serve` loads it: the `server:` section is
-        checked too (and then left to the HTTP service), and so are the host's limits."""
-        from latentmoe_lab.server.settings import ServerSettings  # lazy: the server package builds on this one
-        from latentmoe_lab.serving.host_limits import check_fits_host
-        from latentmoe_lab.serving.planner import check_engine_plan
+        """The engine's part of a service file, parsed and validated (errors name the file). Sections of the layers
+        above (OUTER_SECTIONS: `server:`) are left to them. What `serve` would refuse at start (the engine's plan,
+        the host's limits) is checked by service_plan.load_service_config, which reads the file through this."""
+        return cls.from_file_data(read_service_file(path, "path"), path)
 
-        data = read_service_file(path, "path")
+    @classmethod
+    def from_file_data(cls, data: dict[str, Any], path: str | Path) -> "ServiceConfig":
+        """from_yaml of a file already read (read_service_file)."""
         with errors_name_file(path):
-            ServerSettings.from_dict(section_values(data, "server"))
-            config = cls.from_dict({key: value for key, value in data.items() if key != "server"})
-            check_engine_plan(config)
-            check_fits_host(config)
-        return config
+            return cls.from_dict({key: value for key, value in data.items() if key not in OUTER_SECTIONS})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -240,80 +237,68 @@ class ServiceConfig:
         m, p, mem, s = self.model, self.parallel, self.memory, self.scheduler
         for name in SECTIONS:
             check_field_types(getattr(self, name), prefix=f"{name}.")
-        _check(m.name.strip() != "", "model.name", "must not be empty")
-        _check(m.max_model_len >= MIN_MODEL_LEN, "model.max_model_len",
-               f"must be >= {MIN_MODEL_LEN} (a prompt token and a generated one), got {describe(m.max_model_len)}")
-        _choice("model.dtype", m.dtype, WEIGHT_DTYPES)
-        _check(m.seed >= 0, "model.seed", f"must be an integer in [0, 2^63), got {describe(m.seed)}")
-        _check(m.checkpoint != "", "model.checkpoint", "must not be empty (leave it out, or name a directory)")
-        _check(not (m.preset and m.checkpoint), "model.checkpoint",
-               "give model.preset or model.checkpoint, not both")
-        _check(m.checkpoint_if_present is None or m.preset is not None, "model.checkpoint_if_present",
-               "needs model.preset, the model served while the directory does not exist")
-        _check(m.checkpoint_if_present != "", "model.checkpoint_if_present", "must not be empty (leave it out)")
+        check(m.name.strip() != "", "model.name", "must not be empty")
+        check(m.max_model_len >= MIN_MODEL_LEN, "model.max_model_len",
+              f"must be >= {MIN_MODEL_LEN} (a prompt token and a generated one), got {describe(m.max_model_len)}")
+        check_choice("model.dtype", m.dtype, WEIGHT_DTYPES)
+        check(m.seed >= 0, "model.seed", f"must be an integer in [0, 2^63), got {describe(m.seed)}")
+        check(m.checkpoint != "", "model.checkpoint", "must not be empty (leave it out, or name a directory)")
+        check(not (m.preset and m.checkpoint), "model.checkpoint",
+              "give model.preset or model.checkpoint, not both")
+        check(m.checkpoint_if_present is None or m.preset is not None, "model.checkpoint_if_present",
+              "needs model.preset, the model served while the directory does not exist")
+        check(m.checkpoint_if_present != "", "model.checkpoint_if_present", "must not be empty (leave it out)")
         if m.preset is not None:
             from latentmoe_lab.config import PRESETS
 
-            _choice("model.preset", m.preset, tuple(sorted(PRESETS)))
+            check_choice("model.preset", m.preset, tuple(sorted(PRESETS)))
         for key in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size"):
-            _positive_int(f"parallel.{key}", getattr(p, key))
-        _check(p.forward_threads >= 0, "parallel.forward_threads",
-               f"must be an integer >= 0 (0: this process's thread count), got {describe(p.forward_threads)}")
-        _check(MIN_GROUP_TIMEOUT_S <= p.group_timeout_s <= 3600, "parallel.group_timeout_s",
-               f"must be a number of seconds in [{MIN_GROUP_TIMEOUT_S}, 3600], got {describe(p.group_timeout_s)}")
-        _choice("memory.kv_cache_dtype", mem.kv_cache_dtype, CACHE_DTYPES)
-        _check(0 < mem.gpu_memory_utilization <= 1, "memory.gpu_memory_utilization",
-               f"must be a number in (0, 1], got {describe(mem.gpu_memory_utilization)}")
-        _check(mem.enable_paged_attention, "memory.enable_paged_attention",
-               "must be true: the engine serves from paged pools only (the contiguous cache is model.generate's)")
-        _positive_int("memory.max_num_seqs", mem.max_num_seqs)
-        _positive_int("memory.block_size", mem.block_size)
+            check_positive_int(f"parallel.{key}", getattr(p, key))
+        check(p.forward_threads >= 0, "parallel.forward_threads",
+              f"must be an integer >= 0 (0: this process's thread count), got {describe(p.forward_threads)}")
+        check(MIN_GROUP_TIMEOUT_S <= p.group_timeout_s <= 3600, "parallel.group_timeout_s",
+              f"must be a number of seconds in [{MIN_GROUP_TIMEOUT_S}, 3600], got {describe(p.group_timeout_s)}")
+        check_choice("memory.kv_cache_dtype", mem.kv_cache_dtype, CACHE_DTYPES)
+        check(0 < mem.gpu_memory_utilization <= 1, "memory.gpu_memory_utilization",
+              f"must be a number in (0, 1], got {describe(mem.gpu_memory_utilization)}")
+        check(mem.enable_paged_attention, "memory.enable_paged_attention",
+              "must be true: the engine serves from paged pools only (the contiguous cache is model.generate's)")
+        check_positive_int("memory.max_num_seqs", mem.max_num_seqs)
+        check_positive_int("memory.block_size", mem.block_size)
         if mem.cache_bytes is not None:
-            _positive_int("memory.cache_bytes", mem.cache_bytes)
+            check_positive_int("memory.cache_bytes", mem.cache_bytes)
         if mem.prefix_snapshot_slots is not None:
-            _check(mem.prefix_snapshot_slots >= 0, "memory.prefix_snapshot_slots",
-                   f"must be an integer >= 0, got {describe(mem.prefix_snapshot_slots)}")
-            _check(mem.enable_prefix_caching or mem.prefix_snapshot_slots == 0, "memory.prefix_snapshot_slots",
-                   "snapshots serve prefix caching only: set memory.enable_prefix_caching true or leave this out")
+            check(mem.prefix_snapshot_slots >= 0, "memory.prefix_snapshot_slots",
+                  f"must be an integer >= 0, got {describe(mem.prefix_snapshot_slots)}")
+            check(mem.enable_prefix_caching or mem.prefix_snapshot_slots == 0, "memory.prefix_snapshot_slots",
+                  "snapshots serve prefix caching only: set memory.enable_prefix_caching true or leave this out")
         from latentmoe_lab.parallel.hardware import HARDWARE
 
-        _choice("memory.device", mem.device, tuple(HARDWARE))
-        _positive_int("scheduler.max_batch_size", s.max_batch_size)
-        _positive_int("scheduler.prefill_chunk_size", s.prefill_chunk_size)
-        _check(s.max_step_retries >= 0, "scheduler.max_step_retries",
-               f"must be an integer >= 0, got {describe(s.max_step_retries)}")
-        _check(1 <= s.max_log_records <= MAX_LOG_RECORDS, "scheduler.max_log_records",
-               f"must be a positive integer, at most {MAX_LOG_RECORDS}, got {describe(s.max_log_records)}")
+        check_choice("memory.device", mem.device, tuple(HARDWARE))
+        check_positive_int("scheduler.max_batch_size", s.max_batch_size)
+        check_positive_int("scheduler.prefill_chunk_size", s.prefill_chunk_size)
+        check(s.max_step_retries >= 0, "scheduler.max_step_retries",
+              f"must be an integer >= 0, got {describe(s.max_step_retries)}")
+        check(1 <= s.max_log_records <= MAX_LOG_RECORDS, "scheduler.max_log_records",
+              f"must be a positive integer, at most {MAX_LOG_RECORDS}, got {describe(s.max_log_records)}")
         e = self.eplb
         for key in ("window_steps", "rebalance_interval_steps", "layers_per_step"):
-            _positive_int(f"eplb.{key}", getattr(e, key))
-        _check(e.num_redundant_experts >= 0, "eplb.num_redundant_experts",
-               f"must be an integer >= 0, got {describe(e.num_redundant_experts)}")
-        _check(not e.enabled or p.expert_parallel_size > 1, "eplb.enabled",
-               "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
+            check_positive_int(f"eplb.{key}", getattr(e, key))
+        check(e.num_redundant_experts >= 0, "eplb.num_redundant_experts",
+              f"must be an integer >= 0, got {describe(e.num_redundant_experts)}")
+        check(e.num_redundant_experts <= MAX_EPLB_SLOTS, "eplb.num_redundant_experts",
+              f"at most {MAX_EPLB_SLOTS} (expert slots per layer), got {describe(e.num_redundant_experts)}")
+        check(e.window_steps <= MAX_EPLB_WINDOW_STEPS, "eplb.window_steps",
+              f"at most {MAX_EPLB_WINDOW_STEPS} steps (it keeps a counter per step, MoE layer and expert), got "
+              f"{describe(e.window_steps)}")
+        check(not e.enabled or p.expert_parallel_size > 1, "eplb.enabled",
+              "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
         check_speculative(self.speculative)
-        self._check_roles()
+        check_disaggregation(self)
         check_prefix_cache(self.prefix_cache, mem)
-        _check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
-               f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
-               f"every running sequence")
-
-    def _check_roles(self) -> None:
-        """parallel.role and the disaggregation: section; each role's instance config (its overrides, the
-        same weights and cache dtype, a decode cache that holds one request) is checked by serving/disagg."""
-        role, d = self.parallel.role, self.disaggregation
-        _choice("parallel.role", role, ROLES)
-        if not d.enabled:
-            _check(role == "colocated", "parallel.role", f"{role!r} needs the disaggregation: section (a "
-                   f"prefill instance hands its requests to a decode instance)")
-            return
-        for key in ("prefill_instances", "decode_instances"):
-            _positive_int(f"disaggregation.{key}", getattr(d, key))
-        _choice("disaggregation.transport", d.transport, TRANSPORTS)
-        if role == "colocated":  # the service file; its instances' configs carry their role and no overrides
-            from latentmoe_lab.serving.disagg.service_config import check_role_configs  # lazy: builds on this
-
-            check_role_configs(self)
+        check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
+              f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
+              f"every running sequence")
 
     @property
     def cache_dtype(self) -> str:
@@ -327,7 +312,7 @@ def read_service_file(path: str | Path, name: str) -> dict[str, Any]:
     """The mapping of sections in a service file (yaml_loader's rules; `name` is the argument errors name)."""
     data = read_yaml_file(path, name)
     if not isinstance(data, dict):
-        sections = ", ".join(f"{name}:" for name in [*SECTIONS, "server"])
+        sections = ", ".join(f"{name}:" for name in [*SECTIONS, *OUTER_SECTIONS])
         raise ValueError(f"{file_label(path)}: a service file is a mapping of sections ({sections}), "
                          f"got {describe(data)}")
     return data
@@ -343,22 +328,18 @@ def section_values(data: dict[str, Any], name: str) -> dict[str, Any]:
     return values
 
 
-def _section_from_dict(section_cls, values: dict[str, Any], section: str):
-    known = [f.name for f in fields(section_cls)]
-    for key in values:
-        if key not in known:
-            raise ValueError(f"{section}.{key_name(key)}: unknown key; expected some of {known}")
-    return section_cls(**values)  # types and ranges: validate()
+def serving_layout(config, section: ParallelSection):
+    """The ParallelConfig of a service's `parallel` section for a ModelConfig `config`; None when the forward runs
+    in this process (every size 1 and no parallel.forward_process); ValueError naming the key."""
+    from latentmoe_lab.parallel.config import ParallelConfig
 
-
-def _positive_int(path: str, value: int) -> None:
-    _check(value >= 1, path, f"must be a positive integer, got {describe(value)}")
-
-
-def _choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
-    _check(value in choices, path, f"must be one of {list(choices)}, got {describe(value)}")
-
-
-def _check(ok: bool, path: str, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{path}: {rule}")
+    pconfig = ParallelConfig(tp=section.tensor_parallel_size, ep=section.expert_parallel_size,
+                             pp=section.pipeline_parallel_size, timeout_s=float(section.group_timeout_s))
+    if pconfig.world_size == 1:
+        return pconfig if section.forward_process else None
+    try:
+        pconfig.validate_for(config)  # heads, expert and FFN widths (so the shared experts' too), experts, layers
+    except ValueError as error:
+        dim, rule = str(error).split(": ", 1)
+        raise ValueError(f"parallel.{LAYOUT_KEYS[dim]}: {rule}") from None
+    return pconfig

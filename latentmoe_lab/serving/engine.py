@@ -22,8 +22,8 @@ alone) and raises StepError naming them; the engine stays consistent and steps o
 do so by themselves). reset() aborts everything, for a caller that no longer trusts it.
 
 With parallel.tensor_parallel_size / expert_parallel_size / pipeline_parallel_size > 1 the forward runs
-on pp * tp * ep worker processes (parallel_runner.py; pipeline stages in pipeline_stage.py), and with
-parallel.forward_process on one; a worker that dies or hangs is replaced by a fresh group and every
+on pp * tp * ep worker processes (serving/workers/: parallel_runner.py, pipeline stages in pipeline_stage.py),
+and with parallel.forward_process on one; a worker that dies or hangs is replaced by a fresh group and every
 running request recomputed, so callers see no error; call close() to stop the workers.
 """
 from __future__ import annotations
@@ -35,26 +35,25 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from latentmoe_lab.finite import first_non_finite
-from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder, moe_layers
-from latentmoe_lab.parallel.eplb_serving import OnlineBalancer
-from latentmoe_lab.serving.config import ServiceConfig
+from latentmoe_lab.parallel.eplb.load import ExpertLoadRecorder, moe_layers
+from latentmoe_lab.parallel.eplb.online import OnlineBalancer
+from latentmoe_lab.serving.cache_tiers.spill import block_manager_for, connect_runner, flush_spill, spill_stats
+from latentmoe_lab.serving.config import ServiceConfig, serving_layout
 from latentmoe_lab.serving.failures import StepError, settle_failed_step
 from latentmoe_lab.serving.inputs import prompt_inputs
 from latentmoe_lab.serving.invariance import batch_invariant_grid
+from latentmoe_lab.serving.logprobs import TokenLogprob
 from latentmoe_lab.serving.metrics import MetricsLog, RequestMetrics, StepRecord
-from latentmoe_lab.serving.logprobs import TokenLogprob, token_logprobs
-from latentmoe_lab.serving.model_runner import ModelRunner, record_prompt_logprobs, verify_logit_rows
-from latentmoe_lab.serving.offload_stats import offload_stats
-from latentmoe_lab.serving.parallel_runner import ParallelRunner, WorkerGroupError, serving_layout
-from latentmoe_lab.serving.pipeline_stage import plan_stages
-from latentmoe_lab.serving.planner import allocate_pools, plan_cache, with_cache_budget
-from latentmoe_lab.serving.prefix_spill import block_manager_for, connect_workers, flush_spill, spill_stats
-from latentmoe_lab.serving.sampling import SamplingParams, sample_token
+from latentmoe_lab.serving.model_runner import ModelRunner
+from latentmoe_lab.serving.planner import check_model_fits, plan_cache, with_cache_budget
+from latentmoe_lab.serving.sampling import SamplingParams
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
 from latentmoe_lab.serving.spec.setup import make_drafter
 from latentmoe_lab.serving.spec.speculator import Speculator, spec_stats
+from latentmoe_lab.serving.step_sampling import sample_step
+from latentmoe_lab.serving.workers.parallel_runner import ParallelRunner, WorkerGroupError, worker_threads
+from latentmoe_lab.serving.workers.pipeline_stage import plan_stages
 
 MAX_WORKER_RESTARTS_IN_A_ROW = 3  # a parallel step that loses its workers again and again raises
 
@@ -86,14 +85,8 @@ class Engine:
         if layout is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device: parallel serving runs its gloo workers on the CPU, got {device}")
         self.config = cfg
-        self.model_config = model.config
-        if cfg.model.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"model.max_model_len: ({cfg.model.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
-        weights = next(model.parameters()).dtype
-        expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype)
-        if expected is not None and weights != expected:
-            raise ValueError(f"model.dtype: the config says {cfg.model.dtype} but the model's weights are {weights}")
+        self.model_config, self.tokenizer_dir = model.config, getattr(model, "name_or_path", None)  # text prompts
+        check_model_fits(model, cfg)
         drafter = make_drafter(cfg.speculative, model)  # before anything is allocated
         self.speculator = None if drafter is None else Speculator(drafter, cfg.speculative)  # spec/speculator.py
         # the MTP drafter reads every new token's hidden state: the runner asks the forward for those rows
@@ -102,11 +95,14 @@ class Engine:
         # share (one block count for all); self.plan is stage 0's
         self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
         self.plan = plan_cache(self.model_config, cfg) if layout is None else self.stages[0].plan
-        self.pools = None if layout is not None else allocate_pools(self.model_config, self.plan, device)
-        # with a prefix_cache: spill (its rows in self.pools, or in the workers' pools once the runner starts)
-        self.block_manager = block_manager_for(model, cfg, self.plan, self.pools, self.stages)
+        # with a prefix_cache: spill (its rows read and written through the runner, connected below)
+        self.block_manager = block_manager_for(model, cfg, self.plan)
         self.log = MetricsLog(cfg.scheduler.max_log_records)
-        self._sequences: dict[int, Sequence] = {}
+        self._sequences: dict[int, Sequence] = {}  # unfinished requests by id (sequence())
+        # prefill/decode disaggregation (transport/transfer.py): requests exported and not yet released, by id,
+        # with the BlockManager their blocks came from; and what a transferred cache must match, once computed
+        self.held: dict[int, tuple[Sequence, object]] = {}
+        self.cache_identity = None
         self._next_id = 0
         self._steps = 0
         self._tokens = {"prefill": 0, "decode": 0}
@@ -118,15 +114,14 @@ class Engine:
         self.balancer = None if not (cfg.eplb.enabled and moe) else OnlineBalancer(
             len(moe), moe[0].num_experts, layout.ep, cfg.eplb.num_redundant_experts, moe[0].n_group,
             cfg.eplb.rebalance_interval_steps, cfg.eplb.layers_per_step)
-        self.runner = (ModelRunner(model, self.pools, cfg.memory.block_size, device, cfg.scheduler.batch_invariant,
-                                   return_hidden)
+        # the runner owns the pools (in this process, or its workers'): everything else reaches them through it
+        self.runner = (ModelRunner(model, self.plan, device, cfg.scheduler.batch_invariant, return_hidden)
                        if layout is None
-                       else ParallelRunner(model, self.stages, layout, _worker_threads(cfg.parallel, layout),
+                       else ParallelRunner(model, self.stages, layout, worker_threads(cfg.parallel, layout),
                                            self.balancer, self.expert_load, return_hidden))
-        connect_workers(self.block_manager, self.runner)  # a spill over worker processes reads their pools
-        copy_slot = self.pools.copy_slot if layout is None else self.runner.copy_slot
+        connect_runner(self.block_manager, self.runner)
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
-                                   cfg.scheduler.chunked_prefill, copy_slot, grid,
+                                   cfg.scheduler.chunked_prefill, self.runner.copy_slot, grid,
                                    spec_tokens=0 if self.speculator is None else self.speculator.k,
                                    forget=None if self.speculator is None else self.speculator.forget)
 
@@ -139,7 +134,7 @@ class Engine:
         if self.scheduler.num_unfinished >= self.config.scheduler.max_batch_size:
             raise QueueFullError(f"queue full: scheduler.max_batch_size ({self.config.scheduler.max_batch_size}) "
                                  f"requests are already waiting or running")
-        ids, images = prompt_inputs(prompt, self.model_config)
+        ids, images = prompt_inputs(prompt, self.model_config, self.tokenizer_dir)
         limit = self.config.model.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate under model.max_model_len "
@@ -164,7 +159,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    # ------------------------------------- prefill/decode disaggregation hooks (serving/disagg/transfer.py)
+    def sequence(self, request_id: int) -> Sequence | None:
+        """An unfinished request's Sequence (tokens, slot, blocks), None once it finished or left the engine."""
+        return self._sequences.get(request_id)
+
+    # ------------------------------------- prefill/decode disaggregation hooks (serving/transport/transfer.py)
     def detach(self, request_id: int) -> Sequence:
         """Take a running request out of the engine with its blocks and slot still held: the prefill side of
         a transfer keeps them until the decode side acknowledges; the caller then releases them."""
@@ -195,7 +194,7 @@ class Engine:
                                f"(free blocks {self.block_manager.num_free_blocks}, slots used "
                                f"{self.block_manager.slots_used})")
         schedule_time = time.monotonic() - start  # + the ForwardBatch build below; not the vision tower
-        outputs = [self._fail(seq, error) for seq, error in self._encode_images(batch)]
+        outputs = [self._fail(seq, error) for seq, error in self.runner.encode_batch_images(batch)]
         batch.entries = [(seq, n) for seq, n in batch.entries if seq.status is Status.RUNNING]
         for seq, _ in batch.entries:
             if seq.first_scheduled_time is None:
@@ -208,7 +207,8 @@ class Engine:
                 if self.expert_load is not None:
                     self.expert_load.record(self.runner.expert_counts())
                 schedule_time += self.runner.last_build_time
-                sampled = self._sample(batch, output, outputs)
+                sampled = sample_step(batch, output, self.speculator, self.model_config.layer_types,
+                                      lambda seq, error: outputs.append(self._fail(seq, error)))
             except WorkerGroupError as error:
                 self._restart_workers()
                 if error.lost and self.runner.restarts_in_a_row <= MAX_WORKER_RESTARTS_IN_A_ROW:
@@ -251,41 +251,6 @@ class Engine:
             slots_used=self.block_manager.slots_used, preemptions=len(batch.preempted),
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_chunks=prefill_chunks))
         return outputs
-
-    def _sample(self, batch, output, outputs: list[RequestOutput]) -> dict[int, list[int]]:
-        """request id -> its new tokens (one; after a verify step the accepted drafts and one more), for the
-        entries that emit; a non-finite row fails its request alone."""
-        sampled, new_logprobs = {}, []
-        logits = output.logits.float()  # S sampling rows, then prompt and verify positions (model_runner.py)
-        rows_of = verify_logit_rows(batch)
-        if self.speculator is not None:
-            self.speculator.judged.clear()  # a failed step's verdicts are not counted
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        record_prompt_logprobs(batch, output.logits[len(batch.entries):])
-        # a failure part way must not leave some generators advanced: the recompute samples again
-        states = [(seq.generator, seq.generator.get_state()) for (seq, _), emits in zip(batch.entries, batch.emits())
-                  if emits]
-        try:
-            for index, ((seq, _), emits) in enumerate(zip(batch.entries, batch.emits())):
-                rows = rows_of.get(index, [index])
-                if not all(finite[r] for r in rows):
-                    where = first_non_finite(getattr(output, "finite", None), self.model_config.layer_types)
-                    outputs.append(self._fail(seq, f"logits: non-finite for this request (first non-finite at "
-                                                   f"{where}); the other requests go on"))
-                elif emits and seq.max_tokens > 0:
-                    tokens = sampled[seq.request_id] = (
-                        [sample_token(logits[index], seq.params, seq.generator, seq.generated_ids)]
-                        if self.speculator is None else self.speculator.sample(seq, logits[rows]))
-                    if seq.params.logprobs is not None:
-                        new_logprobs.append((seq, token_logprobs(logits[rows[:len(tokens)]], tokens,
-                                                                 seq.params.logprobs)))
-        except Exception:
-            for generator, state in states:
-                generator.set_state(state)
-            raise
-        for seq, logprobs in new_logprobs:  # only once every row sampled: a retried step appends nothing twice
-            seq.logprobs += logprobs
-        return sampled
 
     def _step_failed(self, batch, error: Exception, outputs: list[RequestOutput]) -> StepError:
         """The step's sequences are back in the waiting queue: settle the blame (failures.py), name them."""
@@ -339,15 +304,6 @@ class Engine:
         flush_spill(self.block_manager)
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()
-
-    def _encode_images(self, batch) -> list[tuple[Sequence, str]]:
-        failed = []
-        for seq, _ in batch.entries:
-            try:
-                self.runner.encode_images(seq)
-            except ValueError as error:
-                failed.append((seq, f"images: {error}"))
-        return failed
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         seq.error = error
@@ -419,14 +375,10 @@ class Engine:
                 "num_slots": bm.num_slots, "cached_blocks": bm.cached_blocks, "snapshots": bm.snapshots_held,
                 "preemptions": self.scheduler.num_preemptions, "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
                 "prefill_tokens": self._tokens["prefill"], "decode_tokens": self._tokens["decode"],
-                "worker_restarts": getattr(self.runner, "restarts", 0),
-                # per worker rank, summed over steps; empty when the forward runs in this process
-                "rank_forward_seconds": list(getattr(self.runner, "rank_forward_seconds", [])),
-                "rank_collective_seconds": list(getattr(self.runner, "rank_collective_seconds", [])),
-                "rank_resident_bytes": list(getattr(self.runner, "rank_resident_bytes", [])),
+                **self.runner.worker_stats(),  # restarts, and per worker rank (none when the forward runs here)
                 **spec_stats(self.speculator),  # speculative decoding: drafts verified, accepted, per position
                 **self._expert_stats(), **spill_stats(bm),
-                **offload_stats(self.config, self.pools, self.runner)}  # memory.offload's host tier
+                **self.runner.offload_stats()}  # memory.offload's host tier
 
     def _expert_stats(self) -> dict:
         """Balancedness of the recorder's window over the EP ranks (with EPLB's current slots) and the
@@ -436,14 +388,5 @@ class Engine:
         placement = None if self.balancer is None else self.balancer.slots()
         balance = self.expert_load.balance(self.config.parallel.expert_parallel_size, placement)
         return {"expert_balancedness": balance["balancedness"], "expert_tokens": self.expert_load.total.tolist(),
-                "eplb_bytes_moved": getattr(self.runner, "eplb_bytes_moved", 0)}
+                "eplb_bytes_moved": self.runner.eplb_bytes_moved}
 
-
-def _worker_threads(section, layout) -> int:
-    """Torch threads per worker process: ranks share the cores, one each; a lone forward process takes
-    parallel.forward_threads, or (0) the default for the cores this process may use (latentmoe_lab/threads.py)."""
-    from latentmoe_lab.threads import default_threads
-
-    if layout.world_size > 1:
-        return 1
-    return section.forward_threads or default_threads()

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from latentmoe_lab.meta import format_bytes
-from latentmoe_lab.threads import affinity_cores
+from latentmoe_lab.threads import check_within_cores
 
 CPU_CACHE_SHARE = 0.10
 CPU_CACHE_MAX_BYTES = 4 << 30
@@ -53,9 +53,7 @@ def check_fits_host(service) -> None:
             raise ValueError(f"memory.cache_bytes: {cache_bytes} ({format_bytes(cache_bytes)}){each} exceeds the "
                              f"{format_bytes(available)} of memory available on this host; give less, or leave "
                              f"it out for {CPU_CACHE_SHARE:.0%} of the available memory")
-    threads, cores = service.parallel.forward_threads, affinity_cores()
-    if threads > cores:
-        raise ValueError(f"parallel.forward_threads: {threads} exceeds the {cores} cores this process may run on")
+    check_within_cores(service.parallel.forward_threads, "parallel.forward_threads")
 
 
 def default_cache_bytes(service) -> tuple[int, str]:

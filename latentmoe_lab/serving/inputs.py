@@ -2,7 +2,7 @@
 
 A prompt is one of
     a list of token ids, or a 1-D / [1, T] int tensor;
-    a string (byte tokenizer);
+    a string (the checkpoint's tokenizer.json, else bytes: tokenizer.load_tokenizer);
     a dict {"text": str, "images": [image, ...]} with one "<image>" marker per image (ImageTextProcessor), or
     a dict {"input_ids": ..., "pixel_values": [N, C*p*p], "image_grids": [I, 2]} (processor.model_inputs()).
 """
@@ -14,18 +14,19 @@ from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.serving.sequence import ImageInputs, image_digest
 
 
-def prompt_inputs(prompt, config: ModelConfig) -> tuple[list[int], ImageInputs | None]:
-    """(token ids, images or None) of one prompt; raises on anything malformed."""
+def prompt_inputs(prompt, config: ModelConfig, tokenizer_dir=None) -> tuple[list[int], ImageInputs | None]:
+    """(token ids, images or None) of one prompt; raises on anything malformed. tokenizer_dir: the checkpoint
+    the model came from (model.name_or_path), whose tokenizer.json encodes text; None = the byte tokenizer."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt: empty text")
         prompt = {"text": prompt, "images": []}
     if isinstance(prompt, dict):
-        return _from_dict(prompt, config)
+        return _from_dict(prompt, config, tokenizer_dir)
     return _token_ids(prompt, config), None
 
 
-def _from_dict(prompt: dict, config: ModelConfig) -> tuple[list[int], ImageInputs | None]:
+def _from_dict(prompt: dict, config: ModelConfig, tokenizer_dir=None) -> tuple[list[int], ImageInputs | None]:
     if "text" in prompt:
         unknown = sorted(set(prompt) - {"text", "images"})
         if unknown:
@@ -35,15 +36,16 @@ def _from_dict(prompt: dict, config: ModelConfig) -> tuple[list[int], ImageInput
         images = prompt.get("images") or []
         if images and config.vision is None:
             raise ValueError("prompt.images: this model has no vision tower")
-        if not images:
-            from latentmoe_lab.tokenizer import ByteTokenizer
+        from latentmoe_lab.tokenizer import load_tokenizer
 
+        tokenizer = load_tokenizer(tokenizer_dir, config.vocab_size)
+        if not images:
             if not prompt["text"]:
                 raise ValueError("prompt: empty text")
-            return _token_ids(ByteTokenizer(config.vocab_size).encode(prompt["text"]), config), None
+            return _token_ids(tokenizer.encode(prompt["text"]), config), None
         from latentmoe_lab.multimodal.processor import ImageTextProcessor
 
-        batch = ImageTextProcessor(config)(prompt["text"], list(images))
+        batch = ImageTextProcessor(config, tokenizer=tokenizer)(prompt["text"], list(images))
         prompt = {"input_ids": batch.input_ids, "pixel_values": batch.pixel_values, "image_grids": batch.image_grids}
     unknown = sorted(set(prompt) - {"input_ids", "pixel_values", "image_grids"})
     if unknown:

@@ -31,6 +31,7 @@ class RequestMetrics:
     generated_tokens: int
     prefix_hit_tokens: int
     preemptions: int
+    spec_accepted_tokens: int = 0  # drafts of speculative decoding accepted over the request's life
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
@@ -44,6 +45,7 @@ class RequestMetrics:
             e2e=None if seq.finish_time is None else seq.finish_time - seq.arrival_time,
             prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.generated_ids),
             prefix_hit_tokens=seq.prefix_hit_tokens, preemptions=seq.num_preemptions,
+            spec_accepted_tokens=seq.spec_accepted_tokens,
         )
 
 

@@ -23,6 +23,10 @@ For S scheduled sequences with n_i new tokens each, the new tokens go back to ba
 
 The model returns logits [S + P + D, vocab]: row i at sequence i's last new token, then the prompt
 positions, then the verify positions.
+
+The runner owns the paged pools: the engine, a prefill/decode transfer, the prefix-cache spill and the
+host tier's counters reach them through read_rows / write_rows / copy_slot / offload_stats only, the same
+interface ParallelRunner (serving/workers/) offers over its worker processes' pools.
 """
 from __future__ import annotations
 
@@ -33,22 +37,64 @@ import torch
 
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.ops.batch_invariant import batch_invariant_mode
-from latentmoe_lab.parallel.eplb_load import moe_layers
+from latentmoe_lab.parallel.eplb.load import moe_layers
+from latentmoe_lab.serving.cache_tiers.offload_tier import offload_counters
 from latentmoe_lab.serving.logprobs import token_logprobs
+from latentmoe_lab.serving.planner import CachePlan, allocate_pools
 from latentmoe_lab.serving.scheduler import ScheduledBatch
 from latentmoe_lab.serving.sequence import Sequence
+from latentmoe_lab.serving.transport.pool_rows import read_request_rows, write_request_rows
 
 
-class ModelRunner:
-    def __init__(self, model, pools, block_size: int, device: torch.device | str = "cpu",
-                 batch_invariant: bool = False, return_hidden: bool = False):
+class LocalPools:
+    """PagedPools in this process and the row interface over them, which is all that the engine, a transfer
+    (transport/transfer.py), the prefix-cache spill (cache_tiers/spill_blocks.py) and Engine.stats() use of
+    the pools. ModelRunner is one; ParallelRunner offers the same interface over its workers' pools."""
+
+    restarts = 0  # worker group restarts (ParallelRunner); pools in this process are never lost
+
+    def __init__(self, pools):
+        self.pools = pools
+
+    def read_rows(self, positions: torch.Tensor, slot: int | None) -> dict[str, torch.Tensor]:
+        """A request's rows in the whole-model layout a transfer carries (transport/pool_rows.py): its tokens at
+        flat positions [N] in every DSA layer, KDA slot `slot` in every KDA layer (None: no KDA rows)."""
+        return read_request_rows(self.pools, positions, slot)
+
+    def write_rows(self, positions: torch.Tensor, slot: int | None, rows: dict[str, torch.Tensor]) -> None:
+        """Store whole-model rows (read_rows' layout) at flat positions [N] and KDA slot `slot`."""
+        write_request_rows(self.pools, positions, slot, rows)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """KDA state + conv tail of slot src into slot dst, every KDA layer (prefix snapshots and hits)."""
+        self.pools.copy_slot(src, dst)
+
+    def offload_stats(self) -> dict[str, int]:
+        """memory.offload's counters {"offload_*": int} for Engine.stats(); {} without a host tier."""
+        return offload_counters([self.pools.stats()]) if self.pools.offloaded else {}
+
+
+class ModelRunner(LocalPools):
+    eplb_bytes_moved = 0  # expert weights EPLB migrated between ranks (ParallelRunner)
+
+    def __init__(self, model, plan: CachePlan, device: torch.device | str = "cpu", batch_invariant: bool = False,
+                 return_hidden: bool = False):
         self.model = model
         self.return_hidden = return_hidden  # every new token's last hidden state on the output (MTP drafts)
         self.batch_invariant = batch_invariant  # forward inside batch_invariant_mode (serving/invariance.py)
-        self.pools = pools
-        self.block_size = block_size
+        self.block_size = plan.block_size
         self.device = torch.device(device)
+        super().__init__(self._allocate(plan))
         self.last_build_time = 0.0  # seconds the last run spent building ForwardBatch metadata
+
+    def _allocate(self, plan: CachePlan):
+        """The PagedPools of `plan` in this process (ParallelRunner: None, each worker allocates its own)."""
+        return allocate_pools(self.model.config, plan, self.device)
+
+    def worker_stats(self) -> dict:
+        """The worker processes' figures for Engine.stats(): none when the forward runs in this process."""
+        return {"worker_restarts": 0, "rank_forward_seconds": [], "rank_collective_seconds": [],
+                "rank_resident_bytes": []}
 
     def unavailable_workers(self) -> list[str]:
         """Forward worker processes that are stopped or gone, described (none: the forward runs here)."""
@@ -60,6 +106,17 @@ class ModelRunner:
             with torch.no_grad():
                 seq.image_features = self.model.encode_images(seq.images.pixel_values.to(self.device),
                                                               seq.images.image_grids.to(self.device))
+
+    def encode_batch_images(self, batch: ScheduledBatch) -> list[tuple[Sequence, str]]:
+        """encode_images for every sequence of the step, before its forward; -> (sequence, error) of those whose
+        images fail to encode (each such request fails alone)."""
+        failed = []
+        for seq, _ in batch.entries:
+            try:
+                self.encode_images(seq)
+            except ValueError as error:
+                failed.append((seq, f"images: {error}"))
+        return failed
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         tokens, positions, slot_mapping, starts, contexts, slots, tables, decode = [], [], [], [0], [], [], [], []

@@ -1,4 +1,6 @@
 """Memory planner: a byte budget -> DSA blocks and KDA slots, every cache counted (docs/design.md §6.2).
+One engine's caches; service_plan.py plans each device of a deployment with it, parallel/planner.py the
+layouts of training and inference (weights, activations), without a cache plan.
 
     per block (block_size tokens, every DSA layer)   MLA latent + rope key, indexer key (+ its scale in fp8)
     per slot  (every KDA layer)                      fp32 state [H, d_k, d_v] + conv tail [channels, kernel - 1]
@@ -21,9 +23,9 @@ import torch
 
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.meta import format_bytes
-from latentmoe_lab.offload_tier import OffloadedPools
 from latentmoe_lab.paged_pools import PagedPools, paged_pool_bytes
 from latentmoe_lab.quant.kv import kv_formats
+from latentmoe_lab.serving.cache_tiers.offload_tier import OffloadedPools
 from latentmoe_lab.serving.config import ServiceConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,7 +46,7 @@ class CachePlan:
     block_bytes: int  # device bytes per block (with memory.offload: the index keys only)
     slot_bytes: int
     hot_rows: int = 0  # memory.offload: device rows per running slot and DSA layer; 0: no host tier
-    hot_bytes: int = 0  # every hot buffer (serving/offload_plan.py)
+    hot_bytes: int = 0  # every hot buffer (plan_offloaded)
     host_block_bytes: int = 0  # host-tier bytes per block (every DSA layer's latent rows)
     host_budget: int = 0  # memory.offload.host_cache_bytes
 
@@ -110,9 +112,7 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
         raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots "
                          f"(max_num_seqs (x K + 1 speculating) + prefix_snapshot_slots) of {slot_bytes} bytes each")
     per_sequence = -(-service.model.max_model_len // mem.block_size)
-    if mem.offload is not None:  # the latent rows in a host tier (serving/offload_plan.py)
-        from latentmoe_lab.serving.offload_plan import plan_offloaded  # lazy: it builds on CachePlan
-
+    if mem.offload is not None:  # the latent rows in a host tier (docs/design.md §15.1)
         return plan_offloaded(config, service, budget, running_slots(service), slot_bytes)
     if block_bytes == 0:  # a model without DSA layers: blocks cost nothing, give every slot a full sequence
         num_blocks = per_sequence * mem.max_num_seqs
@@ -124,6 +124,47 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
                          f"({per_sequence} blocks for {service.model.max_model_len} tokens)")
     return CachePlan(config, num_blocks, mem.block_size, running_slots(service), mem.snapshot_slots, dtype,
                      latent_format, index_format, budget, block_bytes, slot_bytes)
+
+
+def plan_offloaded(config: ModelConfig, service: ServiceConfig, budget: int, running: int,
+                   slot_bytes: int) -> CachePlan:
+    """The CachePlan of plan_cache when memory.offload is set; ValueError naming the key that is too small.
+
+    The device budget (memory.cache_bytes) then holds the index keys of every block, the hot buffers
+    (hot_rows_per_layer rows per running slot and DSA layer) and the KDA slots; memory.offload.host_cache_bytes
+    holds every block's latent + rope rows. Blocks = the fewer of what each tier can hold:
+
+        device   (cache_bytes - slots x slot_bytes - hot buffers) // index bytes per block
+        host     host_cache_bytes // latent bytes per block
+    """
+    mem, offload = service.memory, service.memory.offload
+    dtype, latent_format, index_format = cache_formats(config, service)
+    hot_rows = offload.hot_rows(config.indexer.topk)
+    one_block = paged_pool_bytes(config, 1, mem.block_size, 0, dtype, latent_format, index_format)
+    device_block, host_block = one_block["dsa_index"], one_block["dsa_latent"]
+    latent_dim = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+    hot_bytes = config.num_dsa_layers * running * hot_rows * latent_format.bytes_per_token(latent_dim)
+    rows = running + mem.snapshot_slots
+    room = budget - rows * slot_bytes - hot_bytes
+    if room < 0:
+        raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots and the hot buffers "
+                         f"({format_bytes(hot_bytes)}: {hot_rows} memory.offload.hot_rows_per_layer x {running} "
+                         f"running slots x {config.num_dsa_layers} DSA layers)")
+    per_sequence = -(-service.model.max_model_len // mem.block_size)
+    host_blocks = offload.host_cache_bytes // host_block if host_block else per_sequence * mem.max_num_seqs
+    if host_blocks < per_sequence:
+        raise ValueError(f"memory.offload.host_cache_bytes: {offload.host_cache_bytes} bytes hold {host_blocks} "
+                         f"blocks of {mem.block_size} tokens, fewer than one model.max_model_len sequence needs "
+                         f"({per_sequence} blocks = {format_bytes(per_sequence * host_block)} for "
+                         f"{service.model.max_model_len} tokens)")
+    device_blocks = room // device_block if device_block else host_blocks
+    if device_blocks < per_sequence:
+        raise ValueError(f"memory.cache_bytes: {budget} bytes leave {device_blocks} blocks of index keys after the "
+                         f"KDA slots and hot buffers, fewer than one model.max_model_len sequence needs "
+                         f"({per_sequence} blocks for {service.model.max_model_len} tokens)")
+    return CachePlan(config, min(device_blocks, host_blocks), mem.block_size, running, mem.snapshot_slots, dtype,
+                     latent_format, index_format, budget, device_block, slot_bytes, hot_rows=hot_rows,
+                     hot_bytes=hot_bytes, host_block_bytes=host_block, host_budget=offload.host_cache_bytes)
 
 
 def running_slots(service: ServiceConfig) -> int:
@@ -168,24 +209,15 @@ def with_cache_budget(config: ModelConfig, service: ServiceConfig, device="cpu")
     return dataclasses.replace(service, memory=dataclasses.replace(service.memory, cache_bytes=budget))
 
 
-def check_engine_plan(service: ServiceConfig) -> None:
-    """Plan what Engine.__init__ would for a service that names a preset (its worker layout, every rank's
-    cache plan), so that a file `serve` would refuse at start is refused when it is loaded; ValueError
-    naming the key. A checkpoint's model is known only once loaded: the Engine checks that one."""
-    if service.model.preset is None:
-        return
-    from latentmoe_lab.serving.parallel_runner import serving_layout  # lazy: both build on this module
-    from latentmoe_lab.serving.pipeline_stage import plan_stages
-
-    config = ModelConfig.from_preset(service.model.preset)
-    if service.memory.cache_bytes is None:
-        budget = default_cache_budget(config, service)[0]
-        service = dataclasses.replace(service, memory=dataclasses.replace(service.memory, cache_bytes=budget))
-    layout = serving_layout(config, service.parallel)
-    if layout is None:
-        plan_cache(config, service)
-    else:
-        plan_stages(config, service, layout)
+def check_model_fits(model, service: ServiceConfig) -> None:
+    """The loaded model against the service: model.max_model_len within its positions, model.dtype its
+    weights' dtype (fp8 is a planning format: any weights); ValueError naming the key."""
+    if service.model.max_model_len > model.config.max_position_embeddings:
+        raise ValueError(f"model.max_model_len: ({service.model.max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({model.config.max_position_embeddings})")
+    weights, expected = next(model.parameters()).dtype, TORCH_DTYPES.get(service.model.dtype)
+    if expected is not None and weights != expected:
+        raise ValueError(f"model.dtype: the config says {service.model.dtype} but the model's weights are {weights}")
 
 
 def allocate_pools(config: ModelConfig, plan: CachePlan, device=None) -> PagedPools:

@@ -1,4 +1,5 @@
-"""plan-service: the memory plan of one device of a multi-device deployment, with no allocation (docs/design.md §6.2).
+"""plan-service: the memory plan of one device of a multi-device deployment, with no allocation (docs/design.md §6.2),
+and the checks that refuse at load a file `serve` would refuse at start (load_service_config).
 
 For each pipeline stage, one device holds
     weights      its slice of the stage's layers, counted on the meta device by parallel/planner.py
@@ -20,14 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from latentmoe_lab.config import DSA, ModelConfig
 from latentmoe_lab.meta import BITS_PER_WEIGHT, format_bytes
+from latentmoe_lab.parallel.eplb.online import check_redundant_experts
 from latentmoe_lab.quant.kv import kv_bytes_per_token
-from latentmoe_lab.serving.config import ServiceConfig
-from latentmoe_lab.serving.disagg.transfer_bytes import transfer_table
-from latentmoe_lab.serving.offload_plan import long_context_text
+from latentmoe_lab.serving.cache_tiers.offload_plan import long_context_text
+from latentmoe_lab.serving.config import ServiceConfig, serving_layout
+from latentmoe_lab.serving.disagg.section import INSTANCE_ROLES, in_role, overrides, role_config
 from latentmoe_lab.serving.planner import CachePlan, default_cache_budget, plan_cache
+from latentmoe_lab.serving.transport.transfer_bytes import transfer_table
+from latentmoe_lab.serving.workers.pipeline_stage import plan_stages, stage_config
+from latentmoe_lab.yaml_loader import errors_name_file
 
 
 @dataclass
@@ -51,22 +57,12 @@ class StagePlan:
         return out
 
 
-def stage_config(config: ModelConfig, layers: range, tp: int) -> ModelConfig:
-    """The cache-shaping part of one device's share: the stage's layer types, KDA / MLA heads / tp."""
-    from latentmoe_lab.parallel.tensor import local_config
-
-    local = local_config(config, tp)
-    return local.replace(num_layers=len(layers), layer_types=[config.layer_types[i] for i in layers],
-                         first_dense_layers=min(config.first_dense_layers, len(layers)))
-
-
 def plan_service(service: ServiceConfig, config: ModelConfig) -> list[StagePlan]:
     """One StagePlan per pipeline stage (a device of that stage)."""
     from latentmoe_lab.parallel.config import ParallelConfig
     from latentmoe_lab.parallel.hardware import HARDWARE, Workload
     from latentmoe_lab.parallel.planner import device_memory, stage_parameters
 
-    from latentmoe_lab.serving.parallel_runner import serving_layout  # lazy: it builds on this module
 
     par = service.parallel
     serving_layout(config, par)  # ValueError naming parallel.*: e.g. EP past the routed experts
@@ -161,3 +157,66 @@ def per_sequence_text(config: ModelConfig, seq_len: int) -> str:
     lines.append(f"{'GQA example':<14}{format_bytes(gqa_reference_bytes(seq_len, value_bytes=2)):>12}"
                  f"{format_bytes(gqa_reference_bytes(seq_len)):>12}   (80 layers x 8 KV heads x 128, §1.6)")
     return "\n".join(lines)
+
+
+def load_service_config(path: str | Path) -> ServiceConfig:
+    """ServiceConfig.from_yaml, then what `serve` would refuse at start: check_loaded_plans."""
+    return check_loaded_plans(ServiceConfig.from_yaml(path), path)
+
+
+def check_loaded_plans(service: ServiceConfig, path: str | Path) -> ServiceConfig:
+    """The engine's layout and cache plan of a loaded file (check_engine_plan) and the sizes this host cannot
+    run (host_limits.check_fits_host); errors name the file. -> `service`."""
+    from latentmoe_lab.serving.host_limits import check_fits_host
+
+    with errors_name_file(path):
+        check_engine_plan(service)
+        check_fits_host(service)
+    return service
+
+
+def check_engine_plan(service: ServiceConfig, model_config: ModelConfig | None = None) -> None:
+    """Plan what Engine.__init__ would (its worker layout, every rank's cache plan) for `model_config` (a
+    checkpoint's, server/loading.resolve_service reads it) or else the preset the service names, so that a
+    file `serve` would refuse at start is refused when it is loaded; ValueError naming the key."""
+    if model_config is None and service.model.preset is None:
+        return
+    config = model_config or ModelConfig.from_preset(service.model.preset)
+    if service.memory.cache_bytes is None:
+        budget = default_cache_budget(config, service)[0]
+        service = dataclasses.replace(service, memory=dataclasses.replace(service.memory, cache_bytes=budget))
+    if service.eplb.enabled:  # what the Engine's OnlineBalancer would refuse after building the model
+        check_redundant_experts(config.moe.num_experts, service.parallel.expert_parallel_size,
+                                service.eplb.num_redundant_experts)
+    layout = serving_layout(config, service.parallel)
+    if layout is None:
+        plan_cache(config, service)
+    else:
+        plan_stages(config, service, layout)
+
+
+def check_role_plans(config: ServiceConfig, model_config: ModelConfig | None = None) -> None:
+    """Each role's cache plan of a disaggregated service (check_engine_plan): a decode instance whose cache
+    cannot hold one model.max_model_len request is refused before anything starts. Each role's sizes against
+    this host (check_fits_host: a role's memory override is checked like a colocated file's), then every
+    instance's pools together: prefill_instances + decode_instances processes each allocate their own."""
+    from latentmoe_lab.serving.host_limits import (available_memory_bytes, check_fits_host, default_cache_bytes,
+                                                   ranks_on_host)
+
+    available, needs = available_memory_bytes(), {}
+    for role in INSTANCE_ROLES:
+        instance = role_config(config, role)
+        try:
+            check_engine_plan(instance, model_config)
+            check_fits_host(instance)
+        except ValueError as error:
+            raise in_role(error, role, overrides(config, role)) from None
+        if available is not None:
+            cache = instance.memory.cache_bytes or default_cache_bytes(instance)[0]
+            needs[role] = getattr(config.disaggregation, f"{role}_instances") * ranks_on_host(instance) * cache
+    if available is not None and sum(needs.values()) > available:
+        d, blamed = config.disaggregation, max(needs, key=needs.get)
+        raise ValueError(f"disaggregation.{blamed}_instances: {d.prefill_instances} prefill + {d.decode_instances} "
+                         f"decode instance processes hold {format_bytes(sum(needs.values()))} of cache pools "
+                         f"together, more than the {format_bytes(available)} of memory available on this host; "
+                         f"run fewer instances or give each less memory.cache_bytes")

@@ -1,8 +1,9 @@
 """A small CPU training run that compares three ways to balance the experts (docs/design.md §1.2).
 
     "none"  cross-entropy only
-    "bias"  cross-entropy only; after every optimizer step each MoE layer runs
-            b <- b + u * sign(mean(c) - c) on the step's counts (no loss term, no gradient)
+    "bias"  cross-entropy only; after every optimizer step each MoE layer updates its bias by
+            moe.bias_update: b <- b + u * sign(mean(c) - c) on the step's counts, or K3's quantile
+            rule on the step's router scores (no loss term, no gradient)
     "aux"   cross-entropy + the sequence-wise auxiliary loss of every MoE layer
 
 Every mode starts from the same weights and sees the same batches, so the curves differ only

@@ -69,7 +69,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--sample-tokens", type=int, help="greedy bytes generated after the run (default: 200; 0: none)")
     parser.add_argument("--mtp-depth", type=int,
                         help="train a multi-token prediction head of this many depths with the model (default: 0)")
-    parser.add_argument("--mtp-weight", type=float, help="weight of the MTP loss in the objective (default: 0.3)")
+    parser.add_argument("--mtp-weight", type=float,
+                        help="weight of the MTP loss in the objective, in [0, 10] (default: 0.3; needs --mtp-depth)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the training step per block (inductor; minutes of compilation "
                              "first; see RESULTS.md for when it pays). Default: eager")
@@ -144,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     layout = native_layout_from_args(args)
     # torch's engine checks nproc against its layout instead of the plain run's batch % nproc (native/run.py)
     (settings if layout is None else dataclasses.replace(settings, nproc=1)).validate()
+    if args.mtp_weight is not None and not settings.mtp_depth:
+        raise ValueError("--mtp-weight: only with --mtp-depth N > 0 (without an MTP head there is no MTP loss to "
+                         "weight)")
     if layout is not None and settings.mtp_depth:
         raise ValueError("--mtp-depth: only the plain run trains an MTP head (torch's engine partitions the main "
                          "layers; leave out --fsdp/--ep/--tp/--pp)")

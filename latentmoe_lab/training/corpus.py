@@ -66,12 +66,19 @@ class Corpus:
     train_files: tuple[str, ...]
     held_out_files: tuple[str, ...]
 
+    def digest(self) -> str:
+        """The first 12 hex digits of the SHA-256 of both splits' bytes: equal digests, equal training data.
+        The standard library differs between Python versions and builds, and so does a model trained on it."""
+        sha = hashlib.sha256(self.train.numpy().tobytes())
+        sha.update(self.held_out.numpy().tobytes())
+        return sha.hexdigest()[:12]
+
     def summary(self) -> str:
         files = len(self.train_files) + len(self.held_out_files)
         total = self.train.numel() + self.held_out.numel()
-        return (f"corpus: {files} files, {total:,} bytes from {self.root}; train {len(self.train_files)} files "
-                f"{self.train.numel():,} bytes, held-out {len(self.held_out_files)} files "
-                f"{self.held_out.numel():,} bytes")
+        return (f"corpus: {files} files, {total:,} bytes from {self.root} (sha256 {self.digest()}); train "
+                f"{len(self.train_files)} files {self.train.numel():,} bytes, held-out {len(self.held_out_files)} "
+                f"files {self.held_out.numel():,} bytes")
 
 
 def load_corpus(root: str | Path | None = None, held_out_fraction: float = 0.02, verbose: bool = True) -> Corpus:

@@ -33,13 +33,14 @@ from latentmoe_lab.checkpoint import save_checkpoint
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.layers.moe import LatentMoE
 from latentmoe_lab.model import LatentMoEForCausalLM
-from latentmoe_lab.parallel.eplb_load import ExpertLoadRecorder
+from latentmoe_lab.parallel.eplb.load import ExpertLoadRecorder
 from latentmoe_lab.training import state as trainer_state
 from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
 from latentmoe_lab.training.guard import replay_with_guard
 from latentmoe_lab.training.resume import ResumePoint, history_from, prepare_resume, resume_into
 
 CHECKPOINT_DIR = "checkpoint"
+MAX_MTP_WEIGHT = 10.0  # the MTP loss's weight against the main loss's 1 (DeepSeek-V3 trains with 0.3 and 0.1)
 
 # Defaults of `latentmoe-lab train` per preset: (steps, global batch, seq_len, lr, warmup).
 # mini: sized so that 2 CPU cores reach <= 3.0 held-out bits per byte in 10 minutes (see RESULTS.md). Its
@@ -103,12 +104,19 @@ class TrainSettings:
             raise ValueError(f"lr: must be a finite number > 0, got {self.lr!r}")
         if isinstance(self.mtp_depth, bool) or not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
             raise ValueError(f"mtp_depth: must be an integer >= 0, got {self.mtp_depth!r}")
-        if not (isinstance(self.mtp_weight, (int, float)) and math.isfinite(self.mtp_weight) and self.mtp_weight >= 0):
-            raise ValueError(f"mtp_weight: must be a finite number >= 0, got {self.mtp_weight!r}")
+        if not (isinstance(self.mtp_weight, (int, float)) and not isinstance(self.mtp_weight, bool)
+                and math.isfinite(self.mtp_weight) and 0 <= self.mtp_weight <= MAX_MTP_WEIGHT):
+            raise ValueError(f"mtp_weight: must be a number in [0, {MAX_MTP_WEIGHT:g}] (the main loss has weight 1; "
+                             f"a larger weight overflows the gradients), got {self.mtp_weight!r}")
         configured = self.config.get("mtp_depth", 0) if isinstance(self.config, dict) else 0
         if self.mtp_depth and configured and configured != self.mtp_depth:
             raise ValueError(f"mtp_depth: {self.mtp_depth} differs from the config's mtp_depth {configured!r}; "
                              "set one of them")
+        depth = self.mtp_depth or configured
+        if isinstance(depth, int) and isinstance(self.seq_len, int) and depth > self.seq_len - 2:
+            raise ValueError(f"mtp_depth: must be at most seq_len - 2 = {self.seq_len - 2} (depth k predicts the "
+                             f"token k + 1 past the next one; deeper depths have no target in a row of {self.seq_len} "
+                             f"tokens), got {depth}")
         if self.batch % self.nproc:
             raise ValueError(f"batch: the global batch ({self.batch}) must be divisible by nproc ({self.nproc})")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
@@ -133,7 +141,7 @@ class History:
     """What trainer_state.json holds. eval rows are [step, held-out loss (nats), bits per byte];
     mtp_loss is the MTP head's training loss per step (empty without a head);
     expert_load rows are [step, max/mean tokens per expert for each MoE layer]; expert_window is the tokens
-    per [MoE layer][expert] over the last eval_every steps (the load balancer's input, parallel/eplb.py)."""
+    per [MoE layer][expert] over the last eval_every steps (the load balancer's input, parallel/eplb/rebalance.py)."""
 
     step: int = 0
     train_loss: list[float] = field(default_factory=list)
@@ -246,7 +254,10 @@ def _run(settings: TrainSettings, point: ResumePoint | None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         counts = accelerator.reduce(torch.stack([layer.last_expert_counts for layer in moe_layers]), "sum")
         for layer, layer_counts in zip(moe_layers, counts):
-            layer.update_bias(layer_counts)
+            if layer.bias_rule == "quantile":  # each rank's quantiles of its own tokens, averaged: one bias on all
+                layer.set_bias(accelerator.reduce(layer.target_bias(), "mean"))
+            else:
+                layer.update_bias(layer_counts)
         load_recorder.record(counts)
         loss = float(accelerator.reduce(output.loss.detach(), "mean"))
         history.step = step + 1

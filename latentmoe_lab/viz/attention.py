@@ -143,3 +143,15 @@ def _ratio_name(kda_per_dsa: float) -> str:
     if kda_per_dsa == float("inf"):
         return "all KDA"
     return "all Gated DSA" if kda_per_dsa == 0 else f"{kda_per_dsa}:1 KDA:DSA"
+
+
+def depth_weights_figure(weights: Sequence[Sequence[float]], sublayers: Sequence[str], sources: Sequence[str],
+                         title: str = "Block AttnRes: mean weight of each source, per sublayer") -> go.Figure:
+    """Heatmap [sublayer, source] of the AttnRes softmax averaged over tokens; empty cells are sources that
+    do not exist yet at that depth."""
+    fig = go.Figure(go.Heatmap(z=[[None if v is None else float(v) for v in row] for row in weights],
+                               x=list(sources), y=list(sublayers), colorscale="Viridis", zmin=0, zmax=1,
+                               colorbar={"title": "weight"}))
+    fig.update_layout(title=title, xaxis_title="source (candidate)", yaxis_title="sublayer input",
+                      yaxis_autorange="reversed", height=max(300, 22 * len(sublayers) + 150))
+    return fig

@@ -132,3 +132,15 @@ def ep_ranks_figure(loads, title: str = "One MoE layer per expert-parallel rank"
     fig.add_trace(go.Bar(x=labels, y=[r.expert_weight_bytes / 1e9 for r in loads], showlegend=False), row=1, col=3)
     fig.update_layout(title=title, barmode="group")
     return fig
+
+
+def bias_rule_figure(names: Sequence[str], max_over_mean: Mapping[str, Sequence[float]],
+                     title: str = "One bias update per workload: max / mean load after it") -> go.Figure:
+    """Grouped bars: for each rule (e.g. "no bias", "sign", "quantile") its max/mean load on each workload."""
+    fig = go.Figure()
+    for rule, values in max_over_mean.items():
+        fig.add_trace(go.Bar(x=list(names), y=[float(v) for v in values], name=rule))
+    fig.add_hline(y=1.0, line_dash="dash")
+    fig.update_layout(title=title, barmode="group", yaxis_title="max / mean tokens per expert")
+    return fig
+

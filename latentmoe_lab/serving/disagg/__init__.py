@@ -1,21 +1,11 @@
-"""Prefill/decode disaggregation (docs/design.md §13): the connector that moves one request's hybrid cache.
+"""Prefill/decode disaggregation as a service (docs/design.md §13.2): instance processes and the router.
 
-    request_cache.py   RequestCache (the transfer set), CacheIdentity, check_compatible
-    pool_rows.py       a request's pool rows as stored bytes, read and written
-    transfer.py        prefill_step / export_request / release_exported, import_request
-    tp_rows.py         the same rows gathered from / sliced for tensor-parallel worker processes
-    wire.py            encode / decode with a SHA-256 per transfer
-    transfer_bytes.py  bytes_per_request: the payload planned from the config
+The rows themselves move through serving/transport/; this package runs the processes around them.
+
+    section.py          the disaggregation: section -> each role's instance config
+    instance.py         one Engine in its own process, with a role (prefill or decode)
+    channel.py          framed messages over a Unix socket pair, router <-> instance
+    instance_handle.py  the router's handle of one instance: process, channel, outbox
+    router_request.py   a request as the router sees it, and the events it hands back
+    router.py           DisaggRouter: a request's way prefill -> payload -> decode, and faults
 """
-from latentmoe_lab.serving.disagg.request_cache import (CacheIdentity, RequestCache, check_compatible,
-                                                         engine_identity)
-from latentmoe_lab.serving.disagg.transfer import (NoRoomError, export_request, held_requests, held_sequence,
-                                                    import_request, prefill_step, release_exported,
-                                                    waiting_for_ack)
-from latentmoe_lab.serving.disagg.transfer_bytes import bytes_per_request, payload_shapes, transfer_bytes_by_kind
-from latentmoe_lab.serving.disagg.wire import TransferError, decode, encode
-
-__all__ = ["CacheIdentity", "NoRoomError", "RequestCache", "TransferError", "bytes_per_request", "check_compatible",
-           "decode", "encode", "engine_identity", "export_request", "held_requests", "held_sequence", "import_request",
-           "payload_shapes", "prefill_step", "release_exported", "transfer_bytes_by_kind",
-           "waiting_for_ack"]

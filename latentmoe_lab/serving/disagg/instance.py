@@ -1,6 +1,6 @@
 """One instance of a disaggregated service: an Engine in its own process, with a role (docs/design.md §13.2).
 
-The router (router.py) talks to it over a Channel (service_channel.py). Commands in, events out; `key` is the
+The router (router.py) talks to it over a Channel (serving/disagg/channel.py). Commands in, events out; `key` is the
 router's request number, the engine's own ids never leave the process:
 
     router -> prefill             prefill -> router
@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from latentmoe_lab.serving.config import ServiceConfig
-from latentmoe_lab.serving.disagg.service_channel import Channel
+from latentmoe_lab.serving.disagg.channel import Channel
 
 IDLE_POLL_S = 0.5
 FAULT_EXIT_CODE = 86
@@ -95,7 +95,7 @@ class _Loop:
         self.keys: dict[int, int] = {}  # engine request id -> key
 
     def announce(self, model) -> None:
-        from latentmoe_lab.serving.disagg import engine_identity
+        from latentmoe_lab.serving.transport import engine_identity
 
         self.channel.send(("ready", engine_identity(self.engine), model.config.vocab_size, os.getpid()))
 
@@ -153,7 +153,7 @@ class PrefillLoop(_Loop):
         self.sent = 0
 
     def command(self, header: tuple, _payload: bytes) -> None:
-        from latentmoe_lab.serving.disagg import export_request, release_exported
+        from latentmoe_lab.serving.transport import export_request, release_exported
 
         kind, key = header[0], header[1]
         if kind == "add":
@@ -165,7 +165,7 @@ class PrefillLoop(_Loop):
             self.ids[key], self.keys[request_id] = request_id, key
         elif kind == "abort":
             request_id = self.ids.get(key)
-            if request_id is not None and request_id in _held(self.engine):
+            if request_id is not None and request_id in self.engine.held:
                 self.forget(request_id)
                 release_exported(self.engine, request_id)
             else:
@@ -181,13 +181,13 @@ class PrefillLoop(_Loop):
                 self.send_payload(key, export_request(self.engine, request_id))
 
     def busy(self) -> bool:
-        from latentmoe_lab.serving.disagg.transfer import waiting_for_ack
+        from latentmoe_lab.serving.transport.transfer import waiting_for_ack
 
         # held transfers keep the room a waiting request needs: sleep on the channel until an ack comes
         return self.engine.has_unfinished() and not waiting_for_ack(self.engine)
 
     def step(self) -> None:
-        from latentmoe_lab.serving.disagg import prefill_step
+        from latentmoe_lab.serving.transport import prefill_step
 
         outputs, caches = prefill_step(self.engine)  # settles a StepError itself
         self.deliver(outputs)
@@ -195,7 +195,7 @@ class PrefillLoop(_Loop):
             self.send_payload(self.keys[cache.request_id], cache)
 
     def send_payload(self, key: int, cache) -> None:
-        from latentmoe_lab.serving.disagg import encode
+        from latentmoe_lab.serving.transport import encode
 
         start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
         payload = encode(cache)
@@ -219,7 +219,7 @@ class DecodeLoop(_Loop):
         return self.engine.has_unfinished() or bool(self.pending)
 
     def command(self, header: tuple, payload: bytes) -> None:
-        from latentmoe_lab.serving.disagg import TransferError, decode
+        from latentmoe_lab.serving.transport import TransferError, decode
 
         kind, key = header[0], header[1]
         if kind == "import":
@@ -236,7 +236,7 @@ class DecodeLoop(_Loop):
 
     def admit(self) -> None:
         """Import the waiting transfers in order while there is room; ack each one imported."""
-        from latentmoe_lab.serving.disagg import NoRoomError, import_request
+        from latentmoe_lab.serving.transport import NoRoomError, import_request
 
         while self.pending:
             key, start, cache, size = self.pending[0]
@@ -267,14 +267,8 @@ class DecodeLoop(_Loop):
         self.admit()  # what finished made room
 
 
-def _held(engine) -> list[int]:
-    from latentmoe_lab.serving.disagg import held_requests
-
-    return held_requests(engine)
-
-
 def _stats(engine) -> dict:
     stats = engine.stats()
     keep = ("running", "waiting", "blocks_used", "slots_used", "num_blocks", "num_slots", "prefill_tokens",
             "decode_tokens", "steps", "preemptions")
-    return {key: stats[key] for key in keep} | {"held": len(_held(engine)), "time": time.monotonic()}
+    return {key: stats[key] for key in keep} | {"held": len(engine.held), "time": time.monotonic()}

@@ -6,9 +6,9 @@ import queue
 import socket
 import threading
 
+from latentmoe_lab.serving.disagg.channel import Channel
 from latentmoe_lab.serving.disagg.instance import InstanceSpec, run_instance
-from latentmoe_lab.serving.disagg.service_channel import Channel
-from latentmoe_lab.serving.parallel_runner import _children_without_main
+from latentmoe_lab.serving.workers.parallel_runner import _children_without_main
 
 
 class Instance:

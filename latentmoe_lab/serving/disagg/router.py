@@ -19,6 +19,8 @@ Faults:
                                     instance still holds are released there first.
     a payload fails its checksum    the decode instance refuses it; the prefill instance, which still holds
                                     the rows, exports and sends them again (MAX_RESENDS times, then recompute)
+    one dies while starting, or     liveness.py: restarted again with a growing delay (within max_restarts),
+    is stopped (SIGSTOP)            or reported by /health at once and killed after STUCK_KILL_S to be replaced
 Greedy outputs equal an unfaulted run's; a recomputed request continues with a generator seeded from (seed,
 tokens so far), as the server's EngineWorker does.
 """
@@ -31,11 +33,13 @@ import time
 from collections import deque
 from typing import Callable
 
+from latentmoe_lab.serving.client_request import RequestEvent
 from latentmoe_lab.serving.config import ServiceConfig
 from latentmoe_lab.serving.disagg.instance import InstanceFaults, InstanceSpec
 from latentmoe_lab.serving.disagg.instance_handle import Instance
-from latentmoe_lab.serving.disagg.router_request import RequestEvent, RoutedRequest, TransferRecord
-from latentmoe_lab.serving.disagg.service_config import role_config
+from latentmoe_lab.serving.disagg.liveness import restart_delay, stopped_problem, watch_stopped
+from latentmoe_lab.serving.disagg.router_request import RoutedRequest, TransferRecord
+from latentmoe_lab.serving.disagg.section import role_config
 from latentmoe_lab.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,8 @@ class Router:
         self._backlog: deque[RoutedRequest] = deque()  # waiting for a prefill instance
         self._next_key = 0
         self._stopping = False
+        self._started = False  # start() returned: a lost instance is restarted, even one still starting
+        self._failed_starts: dict[str, int] = {}  # instance name -> replacements lost before they were ready
         self._threads: list[threading.Thread] = []
         d = config.disaggregation
         self.instances = {"prefill": [self._launch(role_config(config, "prefill"), "prefill", i, 0)
@@ -74,7 +80,7 @@ class Router:
     def start(self) -> "Router":
         """Wait for every instance to be ready; a start-up refusal (an engine that would not build, weights or
         cache formats that differ between the roles) stops them all and raises ValueError."""
-        from latentmoe_lab.serving.disagg import check_compatible
+        from latentmoe_lab.serving.transport import check_compatible
 
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
@@ -93,6 +99,12 @@ class Router:
         except BaseException:
             self.stop()
             raise
+        with self._lock:
+            self._started = True
+        watch = threading.Thread(target=watch_stopped, args=(self.all_instances, lambda: self._stopping),
+                                 name="router-watch", daemon=True)
+        watch.start()
+        self._threads.append(watch)
         return self
 
     @property
@@ -142,6 +154,9 @@ class Router:
         for instance in self.all_instances():
             if not (instance.alive and instance.ready.is_set()):
                 return f"{instance.spec.role} instance {instance.name} is restarting"
+            stopped = stopped_problem(instance)
+            if stopped is not None:
+                return stopped
         return None
 
     # ---------------------------------------------------------------- requests
@@ -188,7 +203,8 @@ class Router:
             return
         instance = min(ready, key=lambda i: sum(r.prefill is i for r in self._requests.values()))
         prompt, params = request.resumed()
-        if params.max_tokens <= 0:  # everything was generated; only the end was lost
+        if request.generated and params.max_tokens <= 0:  # a recompute with everything generated: only the
+            # end was lost (a fresh max_tokens 0 request scores its prompt on the prefill instance)
             self._finish(request, "length", None)
             return
         request.prefill, request.decode, request.payload = instance, None, None
@@ -221,6 +237,7 @@ class Router:
             return
         if kind == "ready":
             instance.identity, instance.vocab_size, instance.pid = header[1:4]
+            self._failed_starts.pop(instance.name, None)
             instance.ready.set()
             self._flush()
             return
@@ -330,8 +347,13 @@ class Router:
             role = instance.spec.role
             if not instance.ready.is_set():
                 instance.start_error = instance.start_error or f"the process ended during start-up ({error})"
-                return
-            log.warning("%s instance %s lost (%s); recomputing its requests", role, instance.name, error)
+                if not self._started:
+                    return  # start() raises it
+                self._failed_starts[instance.name] = self._failed_starts.get(instance.name, 0) + 1
+                log.warning("%s instance %s ended before it was ready (%s); restarting it", role, instance.name,
+                            instance.start_error)
+            else:
+                log.warning("%s instance %s lost (%s); recomputing its requests", role, instance.name, error)
             for request in list(self._requests.values()):
                 if role == "prefill" and request.prefill is instance:
                     if request.decode is None:
@@ -352,6 +374,7 @@ class Router:
     def _restart(self, old: Instance) -> None:
         old.process.join(timeout=5)
         old.channel.close()
+        time.sleep(restart_delay(self._failed_starts.get(old.name, 0)))  # longer after each failed start
         with self._lock:
             if self._stopping:
                 return
@@ -360,6 +383,7 @@ class Router:
             group[group.index(old)] = fresh
 
     def _give_up(self, why: str) -> None:
+        log.error("disaggregated service gives up: %s; requests fail at once, /health answers 503", why)
         self.gave_up = True
         for request in list(self._requests.values()):
             self._finish(request, "error", f"engine_unavailable: {why}")

@@ -2,7 +2,8 @@
 
 A drafter proposes up to K tokens that may follow a request's tokens; the target model then checks them
 all in one forward (docs/design.md §12). Every drafter answers `propose(request_id, DraftInput, k)` and
-forgets a request on `release(request_id)` (finished, aborted or preempted: a recompute starts again).
+forgets a request on `release(request_id)` (finished, aborted or preempted: a recompute starts again);
+`propose_batch` takes a step's requests at once.
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, request_id: int, draft_input: DraftInput, k: int) -> list[int]:
         """Up to k tokens that may follow draft_input.tokens (fewer, or none, when the drafter has no guess)."""
+
+    def propose_batch(self, requests: list[tuple[int, DraftInput, int]]) -> list[list[int]]:
+        """propose for every (request_id, DraftInput, k) of a step, in order; a drafter that can run them
+        together (mtp_batched.py) overrides it."""
+        return [self.propose(request_id, draft_input, k) for request_id, draft_input, k in requests]
 
     def release(self, request_id: int) -> None:
         """Forget what this drafter holds for the request (nothing for a stateless drafter)."""

@@ -11,8 +11,9 @@ h_D[t + j - 1] in place of h_{D-1}[t + j] and the token y[t + j + D], and propos
 Per request each depth keeps a DSALayerCache of its committed rows (those whose token y[s + k] is a real
 token, s + k <= L - 1) and their outputs h_k (the next depth's input). A propose runs only the new
 committed rows, then the provisional rows that read drafts, then truncates every cache back to its
-committed rows: nothing a draft wrote survives. The test twin recomputes every depth from scratch
-(tests/test_spec_drafters.py).
+committed rows: nothing a draft wrote survives. k = 0 commits the new rows and drafts nothing. The test
+twin recomputes every depth from scratch (tests/test_spec_drafters.py). This drafter runs one request at a
+time; the engine runs its batched twin, mtp_batched.py (tested equal to this one).
 """
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ import torch
 
 from latentmoe_lab.cache import DSALayerCache
 from latentmoe_lab.serving.spec.drafters import DraftInput, Drafter
+
+
+def check_mtp_model(model) -> None:
+    """ValueError naming speculative.method unless the model has an MTP head."""
+    if getattr(model, "mtp", None) is None:
+        raise ValueError("speculative.method: 'mtp' needs a model with an MTP head (config.mtp_depth > 0), "
+                         f"this one has mtp_depth {model.config.mtp_depth}")
 
 
 @dataclass
@@ -39,9 +47,7 @@ class MTPDrafter(Drafter):
     name = "mtp"
 
     def __init__(self, model):
-        if getattr(model, "mtp", None) is None:
-            raise ValueError("speculative.method: 'mtp' needs a model with an MTP head (config.mtp_depth > 0), "
-                             f"this one has mtp_depth {model.config.mtp_depth}")
+        check_mtp_model(model)
         self.model = model
         self.states: dict[int, _RequestState] = {}
 
@@ -51,8 +57,8 @@ class MTPDrafter(Drafter):
     @torch.no_grad()
     def propose(self, request_id: int, draft_input: DraftInput, k: int) -> list[int]:
         tokens, depths, hidden = list(draft_input.tokens), self.model.mtp.depths, draft_input.hidden
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k: must be an integer >= 1, got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k: must be an integer >= 0, got {k!r}")
         size = self.model.config.hidden_size
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != size:
             raise ValueError(f"draft_input.hidden: expected the target's hidden rows [n, {size}], got "

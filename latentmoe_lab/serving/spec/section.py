@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
-from latentmoe_lab.config_fields import describe
+from latentmoe_lab.config_fields import check, check_choice, describe
 
 SPEC_METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
+# one draft token's cost in plain decode steps of its sequence: from the quiet-machine rows of
+# benchmarks/RESULTS.md (ngram, K = 3, 2.59 tokens per verify step) read as speed-up = 2.59 / (1 + 3c):
+# c = 0.16 at batch 1 (1.77x) and 0.36 at batch 8 (1.25x), one thread; 0.25 lies between
+DEFAULT_DRAFT_COST = 0.25
+DEFAULT_PROBE_INTERVAL = 8
 
 
 @dataclass
@@ -16,6 +20,10 @@ class SpeculativeSection:
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    adaptive: bool | None = None  # K per sequence from its acceptance (spec/draft_count.py); default: always K
+    draft_cost: float | None = None  # with adaptive: a draft token's cost / a plain decode's (DEFAULT_DRAFT_COST)
+    probe_interval: int | None = None  # with adaptive: steps at K = 0 before a 1-draft probe (DEFAULT_PROBE_INTERVAL)
+    max_context: int | None = None  # no drafts for a sequence past this many tokens (default: no limit)
 
     @property
     def enabled(self) -> bool:
@@ -27,34 +35,38 @@ class SpeculativeSection:
         low = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
         return low, max(4, low) if self.prompt_lookup_max is None else self.prompt_lookup_max
 
+    @property
+    def adaptive_settings(self) -> tuple[float, int]:
+        """(draft_cost, probe_interval) of the adaptive draft count, defaults filled in."""
+        return (DEFAULT_DRAFT_COST if self.draft_cost is None else self.draft_cost,
+                DEFAULT_PROBE_INTERVAL if self.probe_interval is None else self.probe_interval)
+
 
 def check_speculative(spec: SpeculativeSection) -> None:
     """The speculative: section on its own; what needs the model (an MTP head) is checked at engine start."""
     if spec.method is None:
         given = [key for key, value in asdict(spec).items() if value is not None]
-        _check(not given, "speculative.method", f"required when the section sets {given[0] if given else ''} "
-               f"(one of {list(SPEC_METHODS)}; leave the section out for no speculative decoding)")
+        check(not given, "speculative.method", f"required when the section sets {given[0] if given else ''} "
+              f"(one of {list(SPEC_METHODS)}; leave the section out for no speculative decoding)")
         return
-    _choice("speculative.method", spec.method, SPEC_METHODS)
+    check_choice("speculative.method", spec.method, SPEC_METHODS)
     k = spec.num_speculative_tokens
-    _check(k is not None, "speculative.num_speculative_tokens", f"required with speculative.method "
-           f"(draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS})")
-    _check(1 <= k <= MAX_SPECULATIVE_TOKENS, "speculative.num_speculative_tokens",
-           f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {describe(k)}")
+    check(k is not None, "speculative.num_speculative_tokens", f"required with speculative.method "
+          f"(draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS})")
+    check(1 <= k <= MAX_SPECULATIVE_TOKENS, "speculative.num_speculative_tokens",
+          f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {describe(k)}")
     for key in ("prompt_lookup_min", "prompt_lookup_max"):
         value = getattr(spec, key)
-        _check(value is None or spec.method == "ngram", f"speculative.{key}",
-               f"only with method ngram (the method is {spec.method})")
-        _check(value is None or value >= 1, f"speculative.{key}", f"must be an integer >= 1, got {describe(value)}")
+        check(value is None or spec.method == "ngram", f"speculative.{key}",
+              f"only with method ngram (the method is {spec.method})")
+        check(value is None or value >= 1, f"speculative.{key}", f"must be an integer >= 1, got {describe(value)}")
+    for key in ("draft_cost", "probe_interval"):
+        check(getattr(spec, key) is None or spec.adaptive, f"speculative.{key}", "only with speculative.adaptive: true")
+    check(spec.draft_cost is None or 0 < spec.draft_cost <= 10, "speculative.draft_cost",
+          f"must be a number in (0, 10] (a draft token's cost in plain decode steps), got {describe(spec.draft_cost)}")
+    for key in ("probe_interval", "max_context"):
+        value = getattr(spec, key)
+        check(value is None or value >= 1, f"speculative.{key}", f"must be an integer >= 1, got {describe(value)}")
     low, high = spec.lookup_range
-    _check(low <= high, "speculative.prompt_lookup_max",
-           f"({high}) must be >= speculative.prompt_lookup_min ({low})")
-
-
-def _check(ok: bool, path: str, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{path}: {rule}")
-
-
-def _choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
-    _check(value in choices, path, f"must be one of {list(choices)}, got {describe(value)}")
+    check(low <= high, "speculative.prompt_lookup_max",
+          f"({high}) must be >= speculative.prompt_lookup_min ({low})")

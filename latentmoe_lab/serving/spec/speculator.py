@@ -10,16 +10,29 @@ Per step, for the engine:
       scheduler.finish_step()    slot of the last accepted token kept, rejected blocks freed (spec/slots.py)
       Speculator.after_step()    hidden rows handed on, drafts proposed for the next step, counters
 
-A request proposes at most min(K, tokens it may still generate - 1) drafts: a step emits the accepted
-drafts plus one, so it never overshoots max_tokens. The MTP drafter needs the target's hidden state at
-every position of the request; after a prefix hit some were never computed, and that request then runs
-without drafts (its tokens are the same, only slower).
+A request proposes at most min(k, tokens it may still generate - 1) drafts, k = K or, with
+speculative.adaptive, what its own acceptance is worth (spec/draft_count.py; 0 past max_context): a step
+emits the accepted drafts plus one, so it never overshoots max_tokens. The step's drafting requests go to
+the drafter together (propose_batch: the MTP head runs once per depth for all of them). The MTP drafter
+needs the target's hidden state at every position of the request; after a prefix hit (or an import from
+a prefill instance) some were never computed, and that request then runs without drafts.
+
+What a request's tokens depend on. Greedy: the prompt, the params and the weights, drafts or not (each
+emitted token is the target's pick). Sampled with a seed: the seed, the prompt, the params, the method and K
+and the logits, never on what the engine served before. So its first token is never drafted (a plain draw,
+as a P/D prefill instance makes it before the hand-over), and with mtp none is: MTP drafts hang on hidden
+rows that a prefix hit, an import or a preemption leaves missing. ngram drafts from the tokens alone, so a
+seeded request's drafts, and with them its draws, are the same wherever it runs. The logits are
+bit-identical across batch compositions, chunks and prefix hits under scheduler.batch_invariant
+(docs/design.md §6.5); without it float rounding may, rarely, tip a draw. Sampled without a seed: drafted
+throughout, each token distributed as the target's sampling gives it, reproducible by nobody.
 """
 from __future__ import annotations
 
 import torch
 
 from latentmoe_lab.serving.sequence import Sequence, Status
+from latentmoe_lab.serving.spec.draft_count import DraftCount
 from latentmoe_lab.serving.spec.drafters import DraftInput, Drafter
 from latentmoe_lab.serving.spec.section import SpeculativeSection
 from latentmoe_lab.serving.spec.verify import verify_drafts
@@ -29,6 +42,7 @@ class Speculator:
     def __init__(self, drafter: Drafter, spec: SpeculativeSection):
         self.drafter = drafter
         self.k = spec.num_speculative_tokens
+        self.draft_count = DraftCount(spec)  # this step's k per sequence (spec/draft_count.py)
         self.needs_hidden = drafter.name == "mtp"
         self.draft_tokens = 0  # drafts verified (vLLM: spec_decode_num_draft_tokens)
         self.accepted_tokens = 0  # of them accepted (spec_decode_num_accepted_tokens)
@@ -43,6 +57,8 @@ class Speculator:
         """A preempted or finished sequence: its drafts, hidden rows and the drafter's state go."""
         seq.draft_ids, seq.verify_slots, seq.pending_hidden, seq.hidden_rows = [], [], [], 0
         self.drafter.release(seq.request_id)
+        if seq.status is Status.FINISHED:  # a preempted one keeps its acceptance record for its recompute
+            self.draft_count.forget(seq.request_id)
 
     def sample(self, seq: Sequence, rows: torch.Tensor) -> list[int]:
         """rows [1 + drafts, vocab]: the sequence's logits over its verify positions -> its emitted tokens
@@ -69,28 +85,49 @@ class Speculator:
         sequence's committed hidden rows on, then proposes drafts for the ones ready to decode."""
         for drafts, accepted in self.judged.values():
             self._count(drafts, accepted)
+        for seq, _ in entries:  # the same counts per request (RequestMetrics.spec_accepted_tokens)
+            drafts, accepted = self.judged.get(seq.request_id, (0, 0))
+            seq.spec_draft_tokens += drafts
+            seq.spec_accepted_tokens += accepted
+            if seq.status is not Status.FINISHED:  # a finished one was forgotten already (finish_step)
+                self.draft_count.observe(seq.request_id, drafts, accepted)
         self.judged.clear()
         start = 0
         for (seq, n), kept in zip(entries, committed):
             if self.needs_hidden and hidden is not None and seq.status is Status.RUNNING:
-                seq.pending_hidden.append(hidden[start:start + kept])
-                seq.hidden_rows += kept
+                if self.draft_count.past_context(len(seq.token_ids)):  # it drafts no more: its MTP rows go
+                    seq.pending_hidden, seq.hidden_rows = [], 0
+                    self.drafter.release(seq.request_id)
+                else:
+                    seq.pending_hidden.append(hidden[start:start + kept])
+                    seq.hidden_rows += kept
             start += n
+        asking, requests = [], []  # every drafting sequence of the step in one propose_batch
         for seq, _ in entries:
             if seq.status is Status.RUNNING and seq.num_remaining == 1 and not seq.draft_ids:
-                seq.draft_ids = self._propose(seq)
+                request = self._draft_request(seq)
+                if request is not None:
+                    asking.append(seq)
+                    requests.append(request)
+        if requests:
+            for seq, (_, _, k), drafts in zip(asking, requests, self.drafter.propose_batch(requests)):
+                seq.draft_ids = drafts[:k]
 
-    def _propose(self, seq: Sequence) -> list[int]:
-        k = min(self.k, seq.max_tokens - len(seq.generated_ids) - 1)
+    def _draft_request(self, seq: Sequence) -> tuple[int, DraftInput, int] | None:
+        """(request_id, DraftInput, k) for the drafter, or None: no drafts for this sequence this step."""
+        k = min(self.draft_count.choose(seq.request_id, len(seq.token_ids)),
+                seq.max_tokens - len(seq.generated_ids) - 1)
         if k < 1:
-            return []
+            return None
+        if seq.params.seed is not None and not seq.params.greedy and (self.needs_hidden or not seq.generated_ids):
+            return None  # a seeded sample's draws must not hang on the drafter's state (see the module docstring)
         if not self.needs_hidden:
-            return self.drafter.propose(seq.request_id, DraftInput(seq.token_ids), k)[:k]
+            return seq.request_id, DraftInput(seq.token_ids), k
         if seq.hidden_rows != seq.num_computed:  # a prefix hit skipped positions: no MTP input for them
-            return []
+            return None
         rows = torch.cat(seq.pending_hidden)
         seq.pending_hidden = []
-        return self.drafter.propose(seq.request_id, DraftInput(seq.token_ids, rows), k)[:k]
+        return seq.request_id, DraftInput(seq.token_ids, rows), k
 
     def stats(self) -> dict:
         """Engine.stats()'s spec_* entries (vLLM's spec_decode_* counters, /metrics; tokens per verify step)."""
