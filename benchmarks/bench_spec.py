@@ -39,17 +39,17 @@ def code_prompts(count: int, prompt_bytes: int) -> list[list[int]]:
     return prompts
 
 
-def service(method: str | None, k: int, batch: int, max_model_len: int) -> ServiceConfig:
-    spec = None if method is None else {"method": method, "num_speculative_tokens": k}
+def service(method: str | None, k: int, batch: int, max_model_len: int, adaptive: bool = False) -> ServiceConfig:
+    spec = None if method is None else {"method": method, "num_speculative_tokens": k, "adaptive": adaptive}
     return ServiceConfig.from_dict({"model": {"max_model_len": max_model_len},
                                     "memory": {"cache_bytes": 64 << 20, "block_size": 64, "max_num_seqs": batch},
                                     "scheduler": {"prefill_chunk_size": 512}, "speculative": spec})
 
 
-def run(model, prompts, method, k, batch, new_tokens) -> dict:
+def run(model, prompts, method, k, batch, new_tokens, adaptive=False) -> dict:
     """Every prompt through one engine; decode tokens/s counts the tokens emitted by steps without prefill
     tokens over those steps' time, end-to-end tokens/s all generated tokens over the whole run."""
-    engine = Engine(model, service(method, k, batch, len(max(prompts, key=len)) + new_tokens + 8))
+    engine = Engine(model, service(method, k, batch, len(max(prompts, key=len)) + new_tokens + 8, adaptive))
     ids = [engine.add_request(p, SamplingParams(max_tokens=new_tokens)) for p in prompts]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     decode_tokens, decode_seconds, decode_cpu = 0, 0.0, 0.0
@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--random", default=None, help="preset of a random-weight model (with mtp_depth 1)")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 4 prompts, 16 tokens")
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--adaptive", action="store_true", help="speculative.adaptive: k per sequence in 0..K "
+                        "from its acceptance (serving/spec/draft_count.py)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-bytes", type=int, default=384)
     parser.add_argument("--prompts", type=int, default=16)
@@ -100,7 +102,8 @@ def main() -> None:
     methods = ["ngram"] + (["mtp"] if model.config.mtp_depth > 0 else [])
     prompts = code_prompts(args.prompts, args.prompt_bytes)
     rows = []
-    print(f"{label}: {len(prompts)} prompts of {args.prompt_bytes} bytes, {args.new_tokens} new tokens, K={args.k}")
+    print(f"{label}: {len(prompts)} prompts of {args.prompt_bytes} bytes, {args.new_tokens} new tokens, K={args.k}"
+          + (" (adaptive)" if args.adaptive else ""))
     print(f"{'threads':>7} {'batch':>5} {'method':>6} {'tok/s':>8} {'ratio':>6} {'cpu ratio':>9} {'e2e ratio':>9} "
           f"{'accepted len':>12}  per position   (tok/s: decode steps only; cpu: per CPU-second of this process; "
           "e2e: prefill included)")
@@ -111,7 +114,7 @@ def main() -> None:
             best: dict = {}
             for _ in range(args.repeats):
                 for method in [None] + methods:
-                    result = run(model, prompts, method, args.k, batch, args.new_tokens)
+                    result = run(model, prompts, method, args.k, batch, args.new_tokens, args.adaptive)
                     if method not in best or result["tok_s"] > best[method]["tok_s"]:
                         best[method] = result
             base = best[None]
@@ -125,6 +128,7 @@ def main() -> None:
                 print(f"{threads:>7} {batch:>5} {method:>6} {spec['tok_s']:>8.1f} {ratio:>6.2f} {cpu:>9.2f} "
                       f"{e2e:>9.2f} {spec['mean_accepted_length']:>12.2f}  {spec['acceptance_per_position']}")
                 rows.append({"model": label, "threads": threads, "batch": batch, "method": method,
+                             "adaptive": args.adaptive,
                              "tok_s": spec["tok_s"], "baseline_tok_s": base["tok_s"], "ratio": ratio,
                              "e2e_ratio": e2e, "cpu_ratio": cpu,
                              "mean_accepted_length": spec["mean_accepted_length"],

@@ -133,7 +133,7 @@ MEASURE = textwrap.dedent("""
 
 def test_loading_does_not_double_peak_memory(saved, tmp_path):
     hf = json.loads((saved / "config.json").read_text())
-    hf.update(vocab_size=24_000, hidden_size=384, intermediate_size=256, moe_intermediate_size=128,
+    hf.update(vocab_size=16_000, hidden_size=384, intermediate_size=256, moe_intermediate_size=128,
               num_local_experts=16)
     torch.manual_seed(0)
     big = LatentMoEForCausalLM(kimi_linear.config_from_hf(hf))
@@ -143,5 +143,5 @@ def test_loading_does_not_double_peak_memory(saved, tmp_path):
     result = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "big"), str(saved)],
                             capture_output=True, text=True, timeout=300, check=True)
     before, peak, loaded = (int(v) for v in result.stdout.split())
-    assert loaded == model_bytes > 60e6
+    assert loaded == model_bytes > 55e6
     assert peak - before <= 1.3 * model_bytes + 16e6, (peak - before) / model_bytes

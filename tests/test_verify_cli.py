@@ -59,6 +59,21 @@ def test_an_injection_through_the_cli_on_a_worker_process_exits_1_naming_the_pat
     assert "worker processes" in result.stdout  # the layer cannot be located there, and it says so
 
 
+def test_model_flag_verifies_a_saved_checkpoint_and_a_disk_tier_stays_in_scratch(tmp_path):
+    """--model: any directory from_pretrained loads (here one of ours); the file's disk_dir is not written."""
+    import yaml
+
+    from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
+
+    LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).save_pretrained(tmp_path / "ckpt")
+    service = BASE | {"prefix_cache": {"host_bytes": 0, "disk_dir": str(tmp_path / "spill")}}
+    (tmp_path / "service.yaml").write_text(yaml.safe_dump(service))
+    result = run_cli("--config", str(tmp_path / "service.yaml"), "--model", str(tmp_path / "ckpt"),
+                     "--prompts", "4", "--max-tokens", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tier restore" in result.stdout and not (tmp_path / "spill").exists()
+
+
 LOSSY = BASE | NGRAM | {"memory": BASE["memory"] | {"kv_cache_dtype": "fp8",
                                                     "offload": {"host_cache_bytes": 2_000_000,
                                                                 "hot_rows_per_layer": 40}}}

@@ -91,14 +91,20 @@ class LatentExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
 
     @record_function("moe.experts")
-    def forward(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, z_perm: torch.Tensor, counts: torch.Tensor,
+                combine_with: tuple[torch.Tensor, DispatchPlan] | None = None) -> torch.Tensor:
         """z_perm [M, latent] expert-major, counts [E] rows per expert -> [M, latent].
 
         On CPU: torch._grouped_mm with a hand-written SwiGLU backward (ops.grouped_experts), except in
         batch-invariant mode, whose bits must not depend on the other rows' experts (`forward_tiles`).
+        combine_with = (weights [N, K], plan): the "fused" strategy (`forward_fused`); z_perm is then the
+        token-major z [N, latent] and the result the combined [N, latent] fp32 sum. Called as the module
+        either way, so hooks on the experts (training's NonFiniteGuard) see both strategies.
         """
         if counts.dim() != 1 or counts.shape[0] != self.w13.shape[0]:
             raise ValueError(f"counts: expected shape ({self.w13.shape[0]},) [E], got {tuple(counts.shape)}")
+        if combine_with is not None:
+            return self.forward_fused(z_perm, *combine_with)
         if grouped_experts_fit(z_perm, self.w13, self.w2) and not batch_invariant.active():
             return grouped_swiglu_experts(z_perm, counts, self.w13, self.w2, self.activation_clamp, self.situ_betas)
         return self.forward_tiles(z_perm, counts)
@@ -118,7 +124,6 @@ class LatentExperts(nn.Module):
             tiles.append(grouped_matmul(hidden, self.w2, tile_offsets))
         return torch.cat(tiles) if len(tiles) > 1 else tiles[0]
 
-    @record_function("moe.experts")
     def forward_fused(self, z: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """The "fused" strategy: dispatch, experts and combine in one pass of tiles (ops.routed_experts).
         z [N, latent] token-major, weights [N, K], plan of `plan_dispatch` -> [N, latent] fp32, what
@@ -258,7 +263,8 @@ class LatentMoE(nn.Module):
         """The complete routed sum before the latent norm: z [N, latent], weights [N, K] fp32, indices [N, K]
         -> [N, latent] fp32 = sum_k weights[n, k] Expert_{indices[n, k]}(z[n]), by `strategy`."""
         if self.strategy(z) == "fused":
-            return self.experts.forward_fused(z, weights, plan_dispatch(indices, self.num_experts))
+            plan = plan_dispatch(indices, self.num_experts)
+            return self.experts(z, plan.counts, combine_with=(weights, plan))
         z_perm, counts, ctx = self.dispatcher.dispatch(z, indices)
         return self.dispatcher.combine(self.experts(z_perm, counts), weights, ctx)
 

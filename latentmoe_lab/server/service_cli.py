@@ -84,6 +84,7 @@ def here_lines(service, config) -> list[str]:
     """What `serve` holds on this machine, first: each engine's (each P/D role's) cache pools as planned from
     memory.cache_bytes; the device plan that follows is for planning a GPU deployment."""
     from latentmoe_lab.serving.disagg.section import role_config
+    from latentmoe_lab.serving.config import serving_layout
     from latentmoe_lab.serving.planner import default_cache_budget, plan_cache
     from latentmoe_lab.serving.service_plan import cpu_budget_text
 
@@ -92,12 +93,18 @@ def here_lines(service, config) -> list[str]:
         for role in ("prefill", "decode")]
     lines = []
     for label, role_service in roles:
-        budget = role_service.memory.cache_bytes or default_cache_budget(config, role_service)[0]
-        plan = plan_cache(config, role_service, budget)  # one rank's, as the Engine sizes it
-        tokens = plan.num_blocks * plan.block_size
-        lines.append(f"here: {label}{cpu_budget_text(config, role_service)} -> {plan.num_blocks} blocks of "
-                     f"{plan.block_size} tokens ({tokens / role_service.model.max_model_len:.2f} sequences of "
-                     f"model.max_model_len), {plan.num_slots} KDA slots")
+        line = f"here: {label}{cpu_budget_text(config, role_service)}"
+        if serving_layout(config, role_service.parallel) is None:  # one engine process: its pools as sized
+            budget = role_service.memory.cache_bytes or default_cache_budget(config, role_service)[0]
+            try:
+                plan = plan_cache(config, role_service, budget)
+            except ValueError as error:  # a file planned for a GPU only: say why it does not run here
+                line += f"; not on this machine: {error}"
+            else:
+                sequences = plan.num_blocks * plan.block_size / role_service.model.max_model_len
+                line += (f" -> {plan.num_blocks} blocks of {plan.block_size} tokens ({sequences:.2f} sequences of "
+                         f"model.max_model_len), {plan.num_slots} KDA slots")
+        lines.append(line)
     return lines + ["the plan below is per device of the GPU that memory.gpu_memory_utilization plans for "
                     "(planning only):"]
 

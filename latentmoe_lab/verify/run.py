@@ -14,6 +14,8 @@ The numeric mode decides the reference and the tolerance on logprobs (tokens mus
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -40,8 +42,13 @@ def verify_service(config_path: str, model_dir: str | None = None, num_prompts: 
     paths_on = file_paths(service)
     check_injection(inject, paths_on)
     model = load_model(service)
-    return verify_engine(model, service, paths_on, str(config_path), num_prompts, max_tokens, seed, inject,
-                         show_progress)
+    with tempfile.TemporaryDirectory(prefix="latentmoe-verify-") as scratch:
+        if service.prefix_cache.disk_dir is not None:  # the file's disk tier, moved into a scratch directory:
+            # verify writes nothing outside it, and entries a served engine left there cannot hit
+            tiers = dataclasses.replace(service.prefix_cache, disk_dir=str(Path(scratch) / "spill"))
+            service = dataclasses.replace(service, prefix_cache=tiers)
+        return verify_engine(model, service, paths_on, str(config_path), num_prompts, max_tokens, seed, inject,
+                             show_progress)
 
 
 def verify_engine(model, service: ServiceConfig, paths_on: list[str], name: str, num_prompts: int, max_tokens: int,
