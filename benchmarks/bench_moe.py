@@ -26,10 +26,11 @@ by call so a load spike on the shared machine hits all of them alike. The per-to
 inside the interleaved rounds it runs on the first --per-token-tokens tokens (default 256) and its time
 is scaled by T / 256: it is one Python iteration per token, so linear in T. It also runs once over
 all T, untimed by the rounds, as the correctness check and as a cross-check of the scaled time.
-Outputs are compared with assert_close at rtol = atol = 1e-5. A second table repeats
-grouped vs per-expert at several T, forward (no grad) and forward + backward (into x and every weight),
-with the matmul floor of a forward + backward (the two expert GEMMs and their 4 backward GEMMs) at the
-largest T; a third runs the imbalance workloads. Everything goes to stdout
+Outputs are compared with assert_close at rtol = atol = 1e-5. The sweep table
+(--sweep T..., --sweep-threads n..., --sweep-only to run it alone) times per thread count and T the library
+layer, its "steps" strategy, the per-expert loop, the library's routed step alone and the matmul floor
+(`expert_floors`: the expert GEMMs alone on pre-sorted rows), forward (no grad) and forward + backward (into
+x and every weight), interleaved; a third table runs the imbalance workloads. Everything goes to stdout
 and benchmarks/bench_moe.json.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.ops import batch_invariant
 from latentmoe_lab.ops.balancing import bias_update, quantile_bias, router_z_loss, sequence_aux_loss
 from latentmoe_lab.ops.grouped_experts import fits as grouped_experts_fit, grouped_swiglu_experts
-from latentmoe_lab.ops.routed_experts import fused_routed_experts
+from latentmoe_lab.ops.routed_experts import fused_routed_experts, on_torch_backend
 from latentmoe_lab.ops.routing import (DispatchPlan, combine, count_routed, grouped_matmul, grouped_matmul_reference,
                                        permute, expert_glu, plan_dispatch, route_topk, route_topk_reference, row_tiles)
 
@@ -248,16 +248,23 @@ class LatentMoE(nn.Module):
         """The routed path a forward on latent tokens z [N, latent] takes: "steps" (dispatcher.dispatch,
         experts, dispatcher.combine: the path expert parallelism, quantized experts, torch.compile and
         batch-invariant mode plug into) or "fused" (LatentExperts.forward_fused: one pass of tiles, no
-        whole-batch [N*K, latent] tensors). `routed_strategy` "auto" takes "fused" wherever it applies."""
+        whole-batch [N*K, latent] tensors). `routed_strategy` "auto" takes "fused" wherever it applies and
+        gradients are recorded (training)."""
         if self.routed_strategy not in ROUTED_STRATEGIES:
             raise ValueError(f"routed_strategy: must be one of {ROUTED_STRATEGIES}, got {self.routed_strategy!r}")
         fused_applies = (type(self.dispatcher) is LocalDispatcher and type(self.experts) is LatentExperts
                          and z.device.type == "cpu" and not batch_invariant.active()
-                         and not torch.compiler.is_compiling())
+                         and not torch.compiler.is_compiling() and on_torch_backend(z))
+        # "auto" fuses where gradients are recorded: the fused pass's gain is in the backward (no zero-filled
+        # slice gradients); a forward alone gains little, and keeps the labelled dispatch / combine ops that
+        # profiles and the porting kit's op inventory read
+        auto_fuses = fused_applies and torch.is_grad_enabled()
         if self.routed_strategy == "fused" and not fused_applies:
-            raise ValueError("routed_strategy: 'fused' needs the local dispatcher, LatentExperts, CPU tensors, and "
-                             "neither torch.compile nor batch-invariant mode")
-        return "fused" if fused_applies and self.routed_strategy != "steps" else "steps"
+            raise ValueError("routed_strategy: 'fused' needs the local dispatcher, LatentExperts, CPU tensors, the "
+                             "torch backend, and neither torch.compile nor batch-invariant mode")
+        if self.routed_strategy == "fused":
+            return "fused"
+        return "fused" if self.routed_strategy == "auto" and auto_fuses else "steps"
 
     def routed(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The complete routed sum before the latent norm: z [N, latent], weights [N, K] fp32, indices [N, K]

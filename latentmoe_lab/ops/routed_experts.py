@@ -26,6 +26,7 @@ from itertools import accumulate
 
 import torch
 
+from latentmoe_lab.ops.backend import resolve_backend
 from latentmoe_lab.ops.grouped_experts import expert_tiles, glu_activation, glu_activation_backward
 from latentmoe_lab.ops.routing import DispatchPlan
 
@@ -35,6 +36,12 @@ from latentmoe_lab.ops.routing import DispatchPlan
 # faster with glibc told never to trim). CPU seconds of the step at T = 4096, top-8, l = 256, 1 thread,
 # tiles of 1024 / 2048 / 4096 rows: forward 265 / 242 / 236 ms, forward + backward 1319 / 1353 / 1411 ms.
 FUSED_TILE_ROWS = 2048
+
+
+def on_torch_backend(z: torch.Tensor) -> bool:
+    """The fused step is plain PyTorch: it stands in for the grouped product only where that product would run
+    on the torch backend ("auto" resolved for z; a forced Triton backend keeps its grouped_gemm kernels)."""
+    return resolve_backend("auto", z) == "torch"
 
 
 class _TilePlan:

@@ -77,7 +77,9 @@ def bytes_read(name: str, func, args, kwargs, out) -> int:
     if func.is_view:
         return 0
     partial = BYTES_READ.get(name)
-    return partial(out, *args, **kwargs) if partial is not None else _nbytes(tensors_of((args, kwargs)))
+    if partial is None:
+        return _nbytes(tensors_of((args, kwargs)))
+    return partial(out, *args, **{k: v for k, v in kwargs.items() if k != "out"})  # an out= op's result is `out`
 
 
 @dataclass
