@@ -2,32 +2,20 @@
 own acceptance, k = 0 steps (also right after a step that accepted drafts), probes, speculative.max_context,
 with the batched MTP drafter and the n-gram one: greedy tokens equal model.generate, everything given back.
 
-The random tiny model is bent into an echo as in tests/test_spec_workers.py (larger embeddings tied to the LM
+The random tiny model is bent into an echo (tests/spec_cases.py: larger embeddings tied to the LM
 head, the MTP projection's token half the identity), so drafts of both methods get accepted and rejected.
 """
 import pytest
 import torch
 
-from latentmoe_lab import ModelConfig
-from latentmoe_lab.model import LatentMoEForCausalLM
+from spec_cases import echo_model  # noqa: F401
+
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.spec.draft_count import DraftCount, best_draft_count
 from latentmoe_lab.serving.spec.section import SpeculativeSection
 
 LENGTHS = [3, 9, 17, 30, 41]
 NEW_TOKENS = 14
-
-
-@pytest.fixture(scope="module")
-def echo_model():
-    torch.manual_seed(0)
-    model = LatentMoEForCausalLM(ModelConfig.from_preset("tiny").replace(mtp_depth=1, vision=None)).eval()
-    d = model.config.hidden_size
-    with torch.no_grad():
-        model.embed_tokens.weight.mul_(5)
-        model.lm_head.weight.copy_(model.embed_tokens.weight)
-        model.mtp.depths[0].proj.weight[:, d:] = torch.eye(d)
-    return model
 
 
 @pytest.fixture(scope="module")

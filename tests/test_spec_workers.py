@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-from latentmoe_lab import ModelConfig
+from spec_cases import echo_model  # noqa: F401
+
 from latentmoe_lab.forward_batch import ForwardBatch
-from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 from latentmoe_lab.serving.workers.parallel_worker import pack_batch
 from latentmoe_lab.serving.spec.drafters import Drafter
@@ -25,18 +25,6 @@ LENGTHS = [1, 7, 17, 33, 50]  # ragged; chunks of 16 split the longer prompts
 PARAMS = SamplingParams(max_tokens=10)
 LAYOUTS = {"forward-process": {"forward_process": True}, "tp2": {"tensor_parallel_size": 2},
            "tp2-pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}
-
-
-@pytest.fixture(scope="module")
-def echo_model():
-    torch.manual_seed(0)
-    model = LatentMoEForCausalLM(ModelConfig.from_preset("tiny").replace(mtp_depth=1, vision=None)).eval()
-    d = model.config.hidden_size
-    with torch.no_grad():
-        model.embed_tokens.weight.mul_(5)
-        model.lm_head.weight.copy_(model.embed_tokens.weight)
-        model.mtp.depths[0].proj.weight[:, d:] = torch.eye(d)
-    return model
 
 
 @pytest.fixture(scope="module")

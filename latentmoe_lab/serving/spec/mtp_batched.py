@@ -28,7 +28,7 @@ import torch
 from latentmoe_lab.forward_batch import ForwardBatch
 from latentmoe_lab.serving.spec.draft_pools import DraftPools
 from latentmoe_lab.serving.spec.drafters import DraftInput, Drafter
-from latentmoe_lab.serving.spec.mtp_drafter import check_mtp_model
+from latentmoe_lab.serving.spec.mtp_drafter import check_draft_input, check_mtp_model
 
 
 @dataclass
@@ -89,19 +89,8 @@ class BatchedMTPDrafter(Drafter):
         return [r.y[r.length:] for r in batch]
 
     def _check(self, request_id: int, draft_input: DraftInput, k: int) -> None:
-        """The serial drafter's checks: k, the hidden rows' shape, and that they continue the request."""
-        tokens, hidden = draft_input.tokens, draft_input.hidden
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k: must be an integer >= 0, got {k!r}")
-        size = self.model.config.hidden_size
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != size:
-            raise ValueError(f"draft_input.hidden: expected the target's hidden rows [n, {size}], got "
-                             f"{getattr(hidden, 'shape', type(hidden).__name__)}")
         state = self.states.get(request_id)
-        run = hidden.shape[0] + (0 if state is None else state.committed[0])
-        if len(tokens) < 2 or run != len(tokens) - 1:
-            raise ValueError(f"draft_input.hidden: the target has run {run} positions of request {request_id}, "
-                             f"expected len(tokens) - 1 = {len(tokens) - 1} (at least 1)")
+        check_draft_input(self.model, request_id, draft_input, k, 0 if state is None else state.committed[0])
 
     def _admit(self, request_id: int, draft_input: DraftInput, k: int) -> _Request:
         """Appends the request's new target rows and reserves its blocks."""

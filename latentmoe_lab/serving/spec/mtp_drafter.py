@@ -25,6 +25,22 @@ from latentmoe_lab.cache import DSALayerCache
 from latentmoe_lab.serving.spec.drafters import DraftInput, Drafter
 
 
+def check_draft_input(model, request_id: int, draft_input: DraftInput, k: int, held: int) -> None:
+    """Both MTP drafters' checks of one proposal: k >= 0, hidden rows [n, hidden_size], and that they continue
+    the `held` positions the drafter already has for the request (held + n == len(tokens) - 1)."""
+    tokens, hidden = draft_input.tokens, draft_input.hidden
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k: must be an integer >= 0, got {k!r}")
+    size = model.config.hidden_size
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != size:
+        raise ValueError(f"draft_input.hidden: expected the target's hidden rows [n, {size}], got "
+                         f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+    run = hidden.shape[0] + held
+    if len(tokens) < 2 or run != len(tokens) - 1:
+        raise ValueError(f"draft_input.hidden: the target has run {run} positions of request {request_id}, "
+                         f"expected len(tokens) - 1 = {len(tokens) - 1} (at least 1)")
+
+
 def check_mtp_model(model) -> None:
     """ValueError naming speculative.method unless the model has an MTP head."""
     if getattr(model, "mtp", None) is None:
@@ -57,17 +73,9 @@ class MTPDrafter(Drafter):
     @torch.no_grad()
     def propose(self, request_id: int, draft_input: DraftInput, k: int) -> list[int]:
         tokens, depths, hidden = list(draft_input.tokens), self.model.mtp.depths, draft_input.hidden
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k: must be an integer >= 0, got {k!r}")
-        size = self.model.config.hidden_size
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != size:
-            raise ValueError(f"draft_input.hidden: expected the target's hidden rows [n, {size}], got "
-                             f"{getattr(hidden, 'shape', type(hidden).__name__)}")
         state = self.states.get(request_id)
-        run = hidden.shape[0] + (0 if state is None else state.hidden[0].shape[1])
-        if len(tokens) < 2 or run != len(tokens) - 1:
-            raise ValueError(f"draft_input.hidden: the target has run {run} positions of request {request_id}, "
-                             f"expected len(tokens) - 1 = {len(tokens) - 1} (at least 1)")
+        check_draft_input(self.model, request_id, draft_input, k,
+                          0 if state is None else state.hidden[0].shape[1])
         if state is None:
             state = self.states[request_id] = _RequestState(
                 hidden=[hidden[:0][None]] * (len(depths) + 1), caches=[DSALayerCache() for _ in depths])
