@@ -53,8 +53,7 @@ MODES = {"colocated": 2, "colocated_1thread": 1, "1P1D": 1}  # mode -> torch thr
 
 def service(checkpoint: str, max_model_len: int, mode: str) -> dict:
     base = {"model": {"name": "bench-pd", "checkpoint": checkpoint, "max_model_len": max_model_len},
-            "memory": {"max_num_seqs": 48, "block_size": 64, "cache_bytes": 96_000_000,
-                       "enable_prefix_caching": False},
+            "memory": {"max_num_seqs": 48, "block_size": 64, "cache_bytes": 96_000_000},
             "scheduler": {"max_batch_size": 128, "prefill_chunk_size": 512}}
     if mode != "1P1D":
         return {**base, "parallel": {"forward_process": True, "forward_threads": MODES[mode]}}

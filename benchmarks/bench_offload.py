@@ -30,10 +30,12 @@ from latentmoe_lab.quant.kv import kv_formats
 BLOCK = 64
 
 
-def filled_pools(config: ModelConfig, context: int, hot_rows: int | None, cache_dtype: str):
-    """Pools for one sequence of `context` + steps tokens, rows 0 .. context - 1 written (seeded, equal for both)."""
+def filled_pools(config: ModelConfig, context: int, hot_rows: int | None, cache_dtype: str,
+                 index_key_dtype: str = "auto"):
+    """Pools for one sequence of `context` + steps tokens, rows 0 .. context - 1 written (seeded, equal for
+    every layout and format); hot_rows None: no host tier. -> (pools, block table)."""
     blocks = -(-(context + 64) // BLOCK)
-    formats = kv_formats(config, cache_dtype, "fp32")
+    formats = kv_formats(config, cache_dtype, "fp32", index_key_dtype)
     pools = (PagedPools(config, blocks, BLOCK, 1, torch.float32, None, *formats) if hot_rows is None
              else OffloadedPools(config, blocks, BLOCK, 1, hot_rows, 1, torch.float32, None, *formats))
     generator = torch.Generator().manual_seed(0)

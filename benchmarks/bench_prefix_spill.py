@@ -13,7 +13,7 @@ weights serve the same requests, one at a time, in turn (so that load spikes on 
 three alike):
 
     recompute   prefix caching on, no spill: the evicted prefix is prefilled again
-    host        prefix_cache.host_bytes large enough for every prefix: a hit restores rows + snapshot from RAM
+    host        memory.prefix_cache.host_bytes large enough for every prefix: a hit restores rows + snapshot from RAM
     disk        host_bytes 0, disk_dir a temporary directory: every eviction is written to safetensors
                 files and a hit reads them back (checksums checked); the files sit in the OS page cache
 
@@ -40,17 +40,15 @@ from common import apply_threads, machine_info, make_parser, write_json
 BLOCK = 64
 
 
-def service(model, prefix_len: int, prefix_cache: dict | None, forward_threads: int = 0) -> ServiceConfig:
+def service(model, prefix_len: int, spill: dict | None, forward_threads: int = 0) -> ServiceConfig:
     """One running sequence, 4 snapshot rows, and blocks for one max_model_len sequence plus one; with
     forward_threads > 0 the forward runs in a worker process with that many torch threads."""
     max_len = prefix_len + 2 * BLOCK
     data = {"model": {"max_model_len": max_len},
             "parallel": {"forward_process": forward_threads > 0, "forward_threads": forward_threads},
-            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": True,
-                       "prefix_snapshot_slots": 4},
+            "memory": {"block_size": BLOCK, "max_num_seqs": 1,
+                       "prefix_cache": {"snapshot_slots": 4, **(spill or {})}},
             "scheduler": {"prefill_chunk_size": 512, "max_batch_size": 4}}
-    if prefix_cache is not None:
-        data["prefix_cache"] = prefix_cache
     probe = ServiceConfig.from_dict(data)
     block, slot = pools_bytes(model.config, probe, 1, 0), pools_bytes(model.config, probe, 0, 1)
     data["memory"]["cache_bytes"] = 5 * slot + (max_len // BLOCK + 1) * block

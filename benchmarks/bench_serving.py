@@ -49,7 +49,7 @@ def service(max_model_len, chunk=512, chunked=True, prefix=False, max_num_seqs=3
     return ServiceConfig.from_dict({
         "model": {"max_model_len": max_model_len},
         "memory": {"cache_bytes": cache_bytes, "block_size": block, "max_num_seqs": max_num_seqs,
-                   "enable_prefix_caching": prefix},
+                   "prefix_cache": {"enabled": prefix}},
         "scheduler": {"prefill_chunk_size": chunk, "chunked_prefill": chunked, "max_batch_size": 256,
                       "batch_invariant": invariant}})
 

@@ -15,14 +15,22 @@ spike on a shared machine hits both, medians over --steps:
     python benchmarks/bench_train.py --quick                 # 4 x 64, 2 steps: checks the harness
     python benchmarks/bench_train.py --split                 # also the mini step by component (module hooks)
     python benchmarks/bench_train.py --threads 1 --minutes 8 # + held-out bits/byte after 8 minutes of each
+    python benchmarks/bench_train.py --threads 1 --flops-steps 450   # + the race at mini's training FLOPs
 
---minutes M trains mini (the train preset's lr, warm-up and betas, bias updates) and then the dense model
-(same batch, lr 1e-3) for M minutes of training time each on the standard-library corpus, each with its
-cosine decay ending at M minutes (`timed_cosine`), and evaluates both on the same held-out rows (bits per
-byte) every M/4 minutes. It needs a quiet machine to mean anything.
+--minutes M trains mini (the train preset's lr, warm-up and betas, bias updates) and the dense model (same
+batch, lr 1e-3) for M minutes of training time each on the standard-library corpus, their steps interleaved
+(the one with less training time so far steps next, so load swings hit both), each with its cosine decay
+ending at M minutes (`timed_cosine`), and evaluates both on the same held-out rows (bits per byte) every
+M/4 minutes. Minutes still depend on the machine: on a loaded one, read the ratio, not the figures.
+
+--flops-steps N trains mini for N steps and two dense models (bench_train_race.DENSE_SHAPES), one with mini's
+active parameters and one with its total, each for the steps that spend mini's training FLOPs (model FLOPs
+per token x tokens), with held-out bits/byte at each quarter: fixed steps, so it holds on a loaded machine.
+bench_train_race.py draws every curve of the JSON(s) on one page.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import statistics
@@ -30,61 +38,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_train_parts import (ComponentTimer, DenseCausalLM, dense_like, heldout_bits_per_byte, matmul_gflops,
-                               model_flops_per_token)
+from bench_train_parts import ComponentTimer, dense_like, heldout_bits_per_byte, matmul_gflops, model_flops_per_token
+from bench_train_race import corpus_rows, flops_race
+from bench_train_steps import DENSE_LR, dense_trainer, mini_trainer
 from common import apply_threads, machine_info, make_parser, write_json
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.compiled import compile_training
-from latentmoe_lab.layers.moe import LatentMoE
-from latentmoe_lab.training.lm import PRESET_DEFAULTS, warmup_cosine
-
-
-def mini_trainer(config: ModelConfig, lr: float, warmup: int, total_steps: int, lr_factor=None):
-    """(model, step(ids) -> loss): the train loop's step on one process (training/lm.py), without accelerate.
-    lr_factor: the scheduler's multiplier (default: warm-up + cosine over total_steps, as `train`)."""
-    torch.manual_seed(0)
-    model = LatentMoEForCausalLM(config)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.95), fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor or warmup_cosine(warmup, total_steps, 0.1))
-    moe_layers = [block.ffn for block in model.layers if isinstance(block.ffn, LatentMoE)]
-
-    def step(ids: torch.Tensor) -> float:
-        output = model(ids, labels=ids)
-        total = output.loss + output.aux_loss
-        total.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not (torch.isfinite(total.detach()) and torch.isfinite(grad_norm)):
-            raise FloatingPointError("non-finite loss or gradient norm")
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        for layer in moe_layers:
-            layer.update_bias(layer.last_expert_counts)
-        return float(output.loss.detach())
-
-    return model, step
-
-
-def dense_trainer(config: ModelConfig, seq_len: int, lr: float, warmup: int, total_steps: int, lr_factor=None):
-    torch.manual_seed(0)
-    model = dense_like(config, seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor or warmup_cosine(warmup, total_steps, 0.1))
-
-    def step(ids: torch.Tensor) -> float:
-        loss = model.loss(ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return model, step
+from latentmoe_lab.training.lm import PRESET_DEFAULTS
 
 
 def speed(config: ModelConfig, batch: int, seq_len: int, steps: int, split: bool, compiled: bool = False) -> dict:
@@ -92,7 +53,7 @@ def speed(config: ModelConfig, batch: int, seq_len: int, steps: int, split: bool
     compiled.compile_training, after timing its first step: the compilation), their FLOPs and utilization."""
     ids = torch.randint(0, 256, (batch, seq_len))
     mini, mini_step = mini_trainer(config, 1e-3, 1, 10 ** 6)
-    dense, dense_step = dense_trainer(config, seq_len, 1e-3, 1, 10 ** 6)
+    dense, dense_step = dense_trainer(lambda: dense_like(config, seq_len), DENSE_LR, 1, 10 ** 6)
     trainers = {"mini": (mini, mini_step), "dense": (dense, dense_step)}
     compile_s = None
     if compiled:
@@ -168,45 +129,56 @@ def timed_cosine(warmup: int, seconds: float, clock, min_ratio: float = 0.1):
     return factor
 
 
-def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, eval_rows: int) -> dict:
-    """Held-out bits/byte against training time, mini then dense, `minutes` each on the stdlib corpus, each
-    with the train preset's warm-up and a cosine decay that ends at `minutes` (timed_cosine)."""
-    from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
+def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, rows) -> dict:
+    """Held-out bits/byte against training time of mini and the dense reference, `minutes` of training each on
+    the stdlib corpus, their steps interleaved: the model with less training time so far takes the next step,
+    so a load swing on a shared machine hits both alike. Each has the train preset's warm-up and a cosine decay
+    ending at `minutes` of its own training time (timed_cosine); evaluations are not training time. rows:
+    bench_train_race.corpus_rows."""
+    from latentmoe_lab.training.corpus import batch_rows
 
-    corpus = load_corpus(None, 0.02, verbose=False)
-    train_rows, held_rows = pack(corpus.train, seq_len), pack(corpus.held_out, seq_len)
-    picked = held_rows[torch.linspace(0, len(held_rows) - 1, min(eval_rows, len(held_rows))).round().long()].long()
-    mini_defaults = PRESET_DEFAULTS["mini"]
-    out = {}
-    for name in ("mini", "dense"):
-        clock = {"started": time.perf_counter()}
-        schedule = timed_cosine(mini_defaults["warmup"], minutes * 60, lambda: time.perf_counter() - clock["started"])
-        if name == "mini":
-            model, step = mini_trainer(config, mini_defaults["lr"], mini_defaults["warmup"], 0, schedule)
-            evaluate = lambda: heldout_bits_per_byte(lambda ids: model(ids, labels=ids).loss, picked)  # noqa: E731
-        else:
-            model, step = dense_trainer(config, seq_len, 1e-3, mini_defaults["warmup"], 0, schedule)
-            evaluate = lambda: heldout_bits_per_byte(model.loss, picked)  # noqa: E731
-        curve, trained, started, number = [], 0.0, time.perf_counter(), 0
-        clock["started"] = started
-        checkpoints = [minutes * 60 * k / 4 for k in (1, 2, 3, 4)]
-        while checkpoints:
-            ids = train_rows[batch_rows(number, batch, len(train_rows), 0)].long()
-            step(ids)
-            number += 1
-            trained = time.perf_counter() - started
-            if trained >= checkpoints[0]:
-                checkpoints.pop(0)
-                model.eval()
-                curve.append({"train_s": trained, "steps": number, "bits_per_byte": evaluate()})
-                model.train()
-                started += time.perf_counter() - started - trained  # evaluation time is not training time
-                clock["started"] = started
-                print(f"  {name}: {trained / 60:.1f} min, {number} steps, held-out {curve[-1]['bits_per_byte']:.3f} "
-                      f"bits/byte", flush=True)
-        out[name] = curve
+    train_rows, picked = rows
+    defaults, seconds = PRESET_DEFAULTS["mini"], minutes * 60
+    trained = {"mini": 0.0, "dense": 0.0}
+    mini, mini_step = mini_trainer(config, defaults["lr"], defaults["warmup"], 0,
+                                   timed_cosine(defaults["warmup"], seconds, lambda: trained["mini"]))
+    dense, dense_step = dense_trainer(lambda: dense_like(config, seq_len), DENSE_LR, defaults["warmup"], 0,
+                                      timed_cosine(defaults["warmup"], seconds, lambda: trained["dense"]))
+    runs = {"mini": (mini, mini_step, lambda ids: mini(ids, labels=ids).loss), "dense": (dense, dense_step, dense.loss)}
+    steps = dict.fromkeys(runs, 0)
+    checkpoints = {name: [seconds * k / 4 for k in (1, 2, 3, 4)] for name in runs}
+    out = {name: [] for name in runs}
+    load_before = os.getloadavg()
+    while any(checkpoints.values()):
+        name = min((name for name in runs if checkpoints[name]), key=trained.get)
+        model, step, loss_of = runs[name]
+        ids = train_rows[batch_rows(steps[name], batch, len(train_rows), 0)].long()
+        start = time.perf_counter()
+        step(ids)
+        trained[name] += time.perf_counter() - start
+        steps[name] += 1
+        if trained[name] >= checkpoints[name][0]:
+            checkpoints[name].pop(0)
+            model.eval()
+            out[name].append({"train_s": trained[name], "steps": steps[name],
+                              "bits_per_byte": heldout_bits_per_byte(loss_of, picked)})
+            model.train()
+            print(f"  {name}: {trained[name] / 60:.1f} min, {steps[name]} steps, held-out "
+                  f"{out[name][-1]['bits_per_byte']:.3f} bits/byte", flush=True)
+    out["loadavg"] = {"before": load_before, "after": os.getloadavg()}
     out["mini_over_dense"] = out["mini"][-1]["bits_per_byte"] / out["dense"][-1]["bits_per_byte"]
     return out
+
+
+def _learning_rates(text: str) -> tuple[float, ...]:
+    """'1e-3,3e-3' -> (0.001, 0.003); argparse reports the error under --dense-lr."""
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        rates = ()
+    if not rates or any(not 0 < rate < 1 for rate in rates):
+        raise argparse.ArgumentTypeError(f"comma-separated learning rates, each in (0, 1), are required; got {text!r}")
+    return rates
 
 
 def main() -> None:
@@ -218,6 +190,13 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="also time the mini step by component")
     parser.add_argument("--minutes", type=float, default=0.0, help="train each model this long and compare "
                         "held-out bits/byte (default: 0, speed only)")
+    parser.add_argument("--flops-steps", type=int, default=0, help="race mini for this many steps against the "
+                        "dense models sized to its active and total parameters, at its training FLOPs (default: 0, "
+                        "no race; bench_train_race.py)")
+    parser.add_argument("--k3", action="store_true", help="with --flops-steps: also mini with K3's SiTU activation "
+                        "and quantile bias rule")
+    parser.add_argument("--dense-lr", type=_learning_rates, default=(DENSE_LR,), help="with --flops-steps: "
+                        f"comma-separated peak learning rates for each dense model, best raced (default: {DENSE_LR:g})")
     parser.add_argument("--eval-rows", type=int, default=64, help="held-out rows per evaluation (default: 64)")
     parser.add_argument("--out", type=Path, default=None, help="result JSON (default: bench_train.json here)")
     parser.add_argument("--compile", action="store_true", help="add a row for mini under torch.compile "
@@ -226,11 +205,16 @@ def main() -> None:
     apply_threads(args)
     if args.quick:
         args.batch, args.seq_len, args.steps = 4, 64, 2
+        args.flops_steps = min(args.flops_steps, 4)
     config = ModelConfig.from_preset("mini")
     load_before = os.getloadavg()
     result = {"speed": speed(config, args.batch, args.seq_len, args.steps, args.split, args.compile)}
+    rows = corpus_rows(args.seq_len, args.eval_rows) if args.minutes > 0 or args.flops_steps > 0 else None
     if args.minutes > 0:
-        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, args.eval_rows)
+        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, rows)
+    if args.flops_steps > 0:
+        result["flops_race"] = flops_race(config, args.batch, args.seq_len, args.flops_steps, rows, args.k3,
+                                          args.dense_lr)
     result["machine"] = machine_info(quick=args.quick, loadavg_before=load_before, loadavg_after=os.getloadavg())
     report(result)
     print(f"results: {write_json(__file__, result, out=args.out)}")
@@ -259,6 +243,15 @@ def report(result: dict) -> None:
         q = result["quality"]
         print(f"held-out bits/byte after {q['mini'][-1]['train_s'] / 60:.1f} min: mini {q['mini'][-1]['bits_per_byte']:.3f}, "
               f"dense {q['dense'][-1]['bits_per_byte']:.3f} (mini / dense {q['mini_over_dense']:.3f})")
+    if "flops_race" in result:
+        race = result["flops_race"]
+        finals = [f"{name} {run['curve'][-1]['bits_per_byte']:.3f} ({run['steps']} steps)"
+                  for name, run in race["models"].items()]
+        print(f"at mini's {race['budget_flops'] / 1e12:.2f} TFLOP ({race['mini_steps']} steps of {race['batch']} x "
+              f"{race['seq_len']}): " + ", ".join(finals))
+        print("  " + ", ".join(f"{name} {ratio:.3f}" for name, ratio in race["ratios"].items()))
+        for name, sweep in race["lr_sweep"].items():
+            print(f"  {name} by peak lr: " + ", ".join(f"{lr} -> {bits:.3f}" for lr, bits in sweep.items()))
 
 
 if __name__ == "__main__":

@@ -42,10 +42,10 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> dict:
                                   + the DSA indexer's heads x head_dim x mean causal keys (it scores every key)
             KDA                   heads x (2 d_k d_v + (C / 2) (d_k + d_v)): reading and updating the d_k x d_v
                                   state, and the intra-chunk scores and values over half a chunk C on average
-            dense reference       d_model x 2 x mean causal keys
+            dense reference       d_model x 2 x mean causal keys (its learned positions, a lookup, not counted)
     """
     if isinstance(model, DenseCausalLM):
-        active = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embed."))
+        active = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("embed.", "pos")))
         attention = model.num_layers * model.d_model * 2 * _mean_keys(seq_len)
         return {"active_parameters": active, "attention_macs": attention, "flops_per_token": 6 * (active + attention)}
     config: ModelConfig = model.config

@@ -22,8 +22,8 @@ from verify_cases import BASE, NGRAM, repeating_model, verify  # noqa: E402
 from latentmoe_lab.verify.inject import INJECTIONS  # noqa: E402
 
 EVERY_PATH = BASE | NGRAM | {
-    "prefix_cache": {"host_bytes": 2_000_000},
-    "memory": BASE["memory"] | {"offload": {"host_cache_bytes": 2_000_000, "hot_rows_per_layer": 40}},
+    "memory": BASE["memory"] | {"prefix_cache": {"host_bytes": 2_000_000},
+                                "offload": {"host_cache_bytes": 2_000_000, "hot_rows_per_layer": 40}},
     "disaggregation": {"prefill_instances": 1, "decode_instances": 1}}
 
 

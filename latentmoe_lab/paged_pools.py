@@ -9,8 +9,20 @@ b * block_size + offset. Per DSA layer the pools hold
 
 and per KDA layer, one row per slot (a running sequence owns one slot; spare slots hold prefix snapshots):
 
-    state   [num_slots, H, d_k, d_v]   fp32 always (docs/design.md §4)
-    conv    [num_slots, channels, kernel - 1]  in `dtype`: the last kernel-1 q|k|v conv inputs
+    state   [H, d_k, d_v] per slot                through state_format (fp32 by default, docs/design.md §4)
+    conv    [channels, kernel - 1] per slot       through conv_format (`dtype` by default): the last
+                                                  kernel-1 q|k|v conv inputs
+
+Slot storage goes through a slot format (memory.state_dtype: quant/kda_state.py), the compute staying fp32:
+
+    bytes_per_slot(shape) -> int
+    allocate(num_slots, shape, device) -> Tensor               [num_slots, ...], num_slots * bytes_per_slot bytes
+    read(storage, slots [S] int64) -> [S, *shape] floating     a copy; the caller casts to its compute dtype
+    write(storage, slots [S], values [S, *shape], carry_from [S] | None)   carry_from: whose rounding error
+                                                  the write continues (formats with error feedback)
+    in_place: bool    the storage holds the values at fp32 or wider: the fused decode may advance them there
+
+copy_slot and zero_slot move and clear a slot's stored bytes whatever the format (zero bytes decode to zero).
 
 Token storage goes through a format, so quantized codecs plug in from outside (they live in quant/, above
 this module). A format is any object with
@@ -28,6 +40,7 @@ host tier (docs/design.md §15.1).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -86,12 +99,68 @@ class DSAPool:
         return self.latent_format.read(self.latent, positions), index
 
 
+class PlainSlotFormat:
+    """The reference slot format: storage [num_slots, *shape] in `dtype`, values stored as they are."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+        self.dtype = dtype
+        self.in_place = torch.finfo(dtype).bits >= 32  # a bf16 state would be advanced in bf16 where it lives
+
+    def __repr__(self) -> str:
+        return f"PlainSlotFormat({self.dtype})"
+
+    def bytes_per_slot(self, shape: tuple[int, ...]) -> int:
+        return math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, num_slots: int, shape: tuple[int, ...], device=None) -> torch.Tensor:
+        return torch.zeros(num_slots, *shape, dtype=self.dtype, device=device)
+
+    def read(self, storage: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return storage.index_select(0, slots)
+
+    def write(self, storage: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+              carry_from: torch.Tensor | None = None) -> None:
+        storage.index_copy_(0, slots, values.detach().to(self.dtype))
+
+
 @dataclass
 class KDAPool:
-    """One KDA layer's per-slot rows: state [num_slots, H, d_k, d_v] fp32, conv [num_slots, channels, kernel-1]."""
+    """One KDA layer's per-slot rows: state [num_slots, ...] and conv [num_slots, ...] as their formats store
+    them (PlainSlotFormat of the tensors' dtypes when not given: state [num_slots, H, d_k, d_v], conv
+    [num_slots, channels, kernel-1])."""
 
     state: torch.Tensor
     conv: torch.Tensor
+    state_format: object = None
+    conv_format: object = None
+
+    def __post_init__(self) -> None:
+        self.state_format = PlainSlotFormat(self.state.dtype) if self.state_format is None else self.state_format
+        self.conv_format = PlainSlotFormat(self.conv.dtype) if self.conv_format is None else self.conv_format
+
+    def read_state(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [S] -> [S, H, d_k, d_v] in fp32 (or the storage's wider dtype), an owned copy."""
+        values = self.state_format.read(self.state, slots)
+        return values if torch.finfo(values.dtype).bits >= 32 else values.float()
+
+    def write_state(self, slots: torch.Tensor, values: torch.Tensor, carry_from: torch.Tensor | None = None) -> None:
+        """values [S, H, d_k, d_v] into slots [S] (carry_from: see the slot protocol above)."""
+        self.state_format.write(self.state, slots, values.detach(), carry_from)
+
+    def read_conv(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [S] -> [S, channels, kernel - 1] floating (the caller casts)."""
+        return self.conv_format.read(self.conv, slots)
+
+    def write_conv(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.conv_format.write(self.conv, slots, values.detach())
+
+
+def slot_layout(fmt, shape: tuple[int, ...]) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of ONE slot's storage in format `fmt` (what a transfer or a spill carries per layer)."""
+    probe = fmt.allocate(0, shape, "cpu")
+    return tuple(probe.shape[1:]), probe.dtype
 
 
 def _dims(config: ModelConfig) -> dict[str, int]:
@@ -99,6 +168,24 @@ def _dims(config: ModelConfig) -> dict[str, int]:
     return {"latent": mla.kv_lora_rank + mla.qk_rope_head_dim, "index": config.indexer.head_dim,
             "heads": kda.num_heads, "d_k": kda.head_dim_k, "d_v": kda.head_dim_v,
             "channels": kda.num_heads * (2 * kda.head_dim_k + kda.head_dim_v), "history": kda.conv_kernel - 1}
+
+
+def kda_shapes(config: ModelConfig) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """(state shape [H, d_k, d_v], conv tail shape [channels, kernel - 1]) of one slot of one KDA layer."""
+    d = _dims(config)
+    return (d["heads"], d["d_k"], d["d_v"]), (d["channels"], d["history"])
+
+
+def _check_slot_formats(dtype, state_format, conv_format) -> tuple[object, object]:
+    """(state_format, conv_format), PlainSlotFormat fp32 / `dtype` by default; TypeError naming a bad one."""
+    state_format = PlainSlotFormat(torch.float32) if state_format is None else state_format
+    conv_format = PlainSlotFormat(dtype) if conv_format is None else conv_format
+    for name, fmt in (("state_format", state_format), ("conv_format", conv_format)):
+        missing = [m for m in ("bytes_per_slot", "allocate", "read", "write") if not callable(getattr(fmt, m, None))]
+        if missing or not isinstance(getattr(fmt, "in_place", None), bool):
+            raise TypeError(f"{name}: a slot format needs methods bytes_per_slot, allocate, read and write and a "
+                            f"bool in_place; {type(fmt).__name__} lacks {missing or ['in_place']}")
+    return state_format, conv_format
 
 
 def _check_arguments(config, num_blocks, block_size, num_slots, dtype, latent_format, index_format):
@@ -125,23 +212,25 @@ def _check_arguments(config, num_blocks, block_size, num_slots, dtype, latent_fo
 
 
 def paged_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                     dtype: torch.dtype = torch.float32, latent_format=None, index_format=None) -> dict[str, int]:
+                     dtype: torch.dtype = torch.float32, latent_format=None, index_format=None,
+                     state_format=None, conv_format=None) -> dict[str, int]:
     """Bytes PagedPools(...) with the same arguments allocates, by kind, without allocating anything.
 
     -> {"dsa_latent", "dsa_index", "kda_state", "kda_conv"} (ints). The serving planner's numbers.
     """
     latent_format, index_format = _check_arguments(config, num_blocks, block_size, num_slots, dtype,
                                                    latent_format, index_format)
+    state_format, conv_format = _check_slot_formats(dtype, state_format, conv_format)
     d = _dims(config)
     num_dsa = sum(kind == DSA for kind in config.layer_types)
     num_kda = config.num_layers - num_dsa
     tokens = num_blocks * block_size
-    conv_bytes = torch.empty((), dtype=dtype).element_size()
+    state_shape, conv_shape = kda_shapes(config)
     return {
         "dsa_latent": num_dsa * tokens * latent_format.bytes_per_token(d["latent"]),
         "dsa_index": config.num_indexer_layers * tokens * index_format.bytes_per_token(d["index"]),
-        "kda_state": num_kda * num_slots * d["heads"] * d["d_k"] * d["d_v"] * 4,
-        "kda_conv": num_kda * num_slots * d["channels"] * d["history"] * conv_bytes,
+        "kda_state": num_kda * num_slots * state_format.bytes_per_slot(state_shape),
+        "kda_conv": num_kda * num_slots * conv_format.bytes_per_slot(conv_shape),
     }
 
 
@@ -149,15 +238,18 @@ class PagedPools:
     """Every layer's paged cache. pools.layer(i) -> DSAPool or KDAPool, in config.layer_types order.
 
     num_blocks: DSA blocks of block_size tokens (shared by all DSA layers); num_slots: KDA state rows.
-    dtype: conv tails and the default PlainFormat; KDA states are fp32 whatever it is.
+    dtype: the default PlainFormat and conv tails; state_format / conv_format: the KDA slots' (default fp32
+    states and `dtype` conv tails; quant/kda_state.py for memory.state_dtype).
     """
 
     offloaded: ClassVar[bool] = False  # True for OffloadedPools (serving/cache_tiers/offload_tier.py)
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                 dtype: torch.dtype = torch.float32, device=None, latent_format=None, index_format=None):
+                 dtype: torch.dtype = torch.float32, device=None, latent_format=None, index_format=None,
+                 state_format=None, conv_format=None):
         self.latent_format, self.index_format = _check_arguments(config, num_blocks, block_size, num_slots, dtype,
                                                                  latent_format, index_format)
+        self.state_format, self.conv_format = _check_slot_formats(dtype, state_format, conv_format)
         self.config, self.num_blocks, self.block_size, self.num_slots = config, num_blocks, block_size, num_slots
         self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
         d = _dims(config)
@@ -166,9 +258,21 @@ class PagedPools:
             if kind == DSA:
                 self.layers.append(self._dsa_pool(d, config.dsa.use_indexer and config.index_source(layer_idx) == layer_idx))
             else:
-                state = torch.zeros(num_slots, d["heads"], d["d_k"], d["d_v"], dtype=torch.float32, device=self.device)
-                conv = torch.zeros(num_slots, d["channels"], d["history"], dtype=dtype, device=self.device)
-                self.layers.append(KDAPool(state, conv))
+                self.layers.append(self._kda_pool())
+
+    def _kda_pool(self) -> KDAPool:
+        """One KDA layer's slots in the slot formats, each allocation checked against bytes_per_slot."""
+        parts = []
+        for name, fmt, shape in zip(("state_format", "conv_format"), (self.state_format, self.conv_format),
+                                    kda_shapes(self.config)):
+            storage = fmt.allocate(self.num_slots, shape, self.device)
+            expected = self.num_slots * fmt.bytes_per_slot(shape)
+            if not isinstance(storage, torch.Tensor) or storage.numel() * storage.element_size() != expected \
+                    or storage.shape[:1] != (self.num_slots,):
+                raise ValueError(f"{name}: allocate() must return a tensor [num_slots, ...] of num_slots * "
+                                 f"bytes_per_slot({shape}) = {expected} bytes (the planner counts that)")
+            parts.append(storage)
+        return KDAPool(*parts, self.state_format, self.conv_format)
 
     def _dsa_pool(self, d: dict[str, int], own_indexer: bool) -> DSAPool:
         """One DSA layer's pool on self.device; a layer that reuses another's selection keeps no index keys."""

@@ -66,7 +66,7 @@ def service(max_model_len=4096, chunk=256, prefix=False, cache_bytes=8_000_000, 
     return ServiceConfig.from_dict({
         "model": {"max_model_len": max_model_len},
         "memory": {"cache_bytes": cache_bytes, "block_size": block, "max_num_seqs": max_num_seqs,
-                   "enable_prefix_caching": prefix},
+                   "prefix_cache": {"enabled": prefix}},
         "scheduler": {"prefill_chunk_size": chunk, "chunked_prefill": chunked, "max_batch_size": 64}})
 
 

@@ -73,8 +73,7 @@ def service(method=None, k=K, batch=1, prefix=False):
     spec = None if method is None else {"method": method, "num_speculative_tokens": k}
     return ServiceConfig.from_dict({"model": {"max_model_len": PROMPT_BYTES + NEW_TOKENS + 16},
                                     "memory": {"cache_bytes": 32 << 20, "block_size": 16, "max_num_seqs": batch,
-                                               "enable_prefix_caching": prefix,
-                                               "prefix_snapshot_slots": 64 if prefix else None},
+                                               "prefix_cache": {"enabled": prefix, "snapshot_slots": 64}},
                                     "scheduler": {"prefill_chunk_size": 512}, "speculative": spec})
 
 

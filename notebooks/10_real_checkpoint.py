@@ -25,7 +25,9 @@
 #    layer must be none;
 # 4. shows its routing statistics with chapter 01's plots;
 # 5. writes it back in transformers' format and lets transformers read it;
-# 6. loads the real Kimi-Linear-48B from a local path, with its routed experts left on disk, if you have it.
+# 6. does the same walk for the other public relative, DeepSeek-V3.2 (`model_type: deepseek_v32`), and shows
+#    which earlier positions its lightning indexer picks for each query;
+# 7. loads the real Kimi-Linear-48B from a local path, with its routed experts left on disk, if you have it.
 #
 # Nothing is downloaded. Set `KIMI_LINEAR_PATH` to a local copy of moonshotai/Kimi-Linear-48B-A3B-Instruct to
 # run the last cell.
@@ -47,7 +49,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, KimiLinearConfig, KimiLinearForCausalLM
+from transformers import (AutoModelForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM, KimiLinearConfig,
+                          KimiLinearForCausalLM)
 
 from latentmoe_lab import LatentMoEForCausalLM
 from latentmoe_lab.alignment.compare import compare
@@ -55,6 +58,7 @@ from latentmoe_lab.interop import kimi_linear
 from latentmoe_lab.interop.export import export_transformers
 from latentmoe_lab.interop.transformers_taps import TransformersCandidate
 from latentmoe_lab.viz.alignment import alignment_figure
+from latentmoe_lab.viz.attention import topk_pattern_figure
 from latentmoe_lab.viz.model import expert_load_figure, load_imbalance_figure
 from latentmoe_lab.viz.notebook import use_notebook_renderer
 
@@ -169,7 +173,86 @@ print(sorted(p.name for p in exported.iterdir())[:4], "...")
 print(f"largest logit difference, transformers on the export vs ours: {difference:.2e}")
 
 # %% [markdown]
-# ## 6. The real Kimi-Linear-48B, if it is here
+# ## 6. DeepSeek-V3.2: the same walk, and what its indexer picks
+#
+# DeepSeek-V3.2 is the other public relative: every layer is MLA with RoPE and its own lightning indexer
+# (DeepSeek Sparse Attention), a query LoRA, a dense first layer, then MoE with group-limited sigmoid routing.
+# In our switches that is `layer_types` all `"dsa"` with the indexer on, no output gate, no latent projection
+# and `mla.rope` (docs/design.md §17.9). A small random one again, saved by transformers, loaded by ours, and
+# walked tap by tap: the first divergent layer must be none. transformers' eager attention is the path that
+# applies the indexer's top-k as a mask, so it is the one compared.
+
+# %%
+ds_config = DeepseekV32Config(
+    vocab_size=512, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_intermediate_size=HIDDEN // 2,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+    qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=EXPERTS, num_experts_per_tok=2,
+    n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+    index_topk=8, index_head_dim=32, index_n_heads=8, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+ds_config._attn_implementation = "eager"
+ds_theirs = DeepseekV32ForCausalLM(ds_config).eval()
+generator = torch.Generator().manual_seed(2)
+with torch.no_grad():  # O(1) weights, as above: norms near 1, everything else at 0.15 scale
+    for name, tensor in [*ds_theirs.named_parameters(), *ds_theirs.named_buffers()]:
+        if not tensor.is_floating_point() or "inv_freq" in name:
+            continue
+        if name.endswith("norm.weight"):
+            tensor.copy_(1 + 0.2 * torch.randn(tensor.shape, generator=generator))
+        else:
+            tensor.copy_(0.15 * torch.randn(tensor.shape, generator=generator))
+ds_checkpoint = workdir / "deepseek-v32-small"
+ds_theirs.save_pretrained(ds_checkpoint)
+ds_ours = LatentMoEForCausalLM.from_pretrained(ds_checkpoint)
+dc = ds_ours.config
+print("layer types:", dc.layer_types, "| dsa.use_indexer", dc.dsa.use_indexer, "| mla.rope", dc.mla.rope,
+      "| mla.output_gate", dc.mla.output_gate, "| indexer", dc.indexer)
+ds_ids = torch.randint(0, ds_config.vocab_size, (2, TOKENS), generator=torch.Generator().manual_seed(3))
+ds_report = compare(ds_ours, TransformersCandidate(ds_theirs, dc), ds_ids)
+print(ds_report.table())
+ds_first = ds_report.first_divergence
+print("first divergent tap:", "none" if ds_first is None else ds_first.name)
+alignment_figure(ds_report.as_dicts(), title="Our load of a deepseek_v32 checkpoint against transformers (fp32)",
+                 first_divergence=None if ds_first is None else ds_first.name)
+
+# %% [markdown]
+# Each query $t$ attends only to the `index_topk` = 8 earlier positions with the highest index scores
+# $I_{t,s} = \sum_j w_{t,j}\,\mathrm{ReLU}(q^I_{t,j}\cdot k^I_s)$ (chapter 02, §5); the first 8 queries see
+# every key they can. Below, for layer 1 of the first sequence, the heatmap is our indexer's scores over the
+# causal part (of the first 96 queries) and the dots the positions it selects, recomputed from the hidden
+# states the layer received.
+# transformers' indexer returns its top-k indices too; per query, the two sets of causal positions are compared
+# (they may differ only where two scores tie exactly on the cut, docs/design.md §17.9).
+
+# %%
+LAYER = 1
+seen: dict[str, torch.Tensor] = {}
+ours_hook = ds_ours.layers[LAYER].attn.register_forward_pre_hook(lambda module, args: seen.update(x=args[0]))
+theirs_hook = ds_theirs.model.layers[LAYER].self_attn.indexer.register_forward_hook(
+    lambda module, args, output: seen.update(theirs=output))
+with torch.no_grad():
+    ds_ours(ds_ids[:1])
+    ds_theirs(ds_ids[:1])
+ours_hook.remove()
+theirs_hook.remove()
+attn, x = ds_ours.layers[LAYER].attn, seen["x"]
+positions = torch.arange(x.shape[1])[None]
+with torch.no_grad():
+    c_q, *_, index_keys = attn.project(x, positions)  # the query latent and the (rotated) index keys
+    index_scores = attn.indexer.scores(x, c_q, index_keys, positions)
+    selected = attn.indexer.select(x, c_q, index_keys, offset=0, positions=positions)  # [1, T, topk], -1 pads
+ours_sets = [{s for s in row if s >= 0} for row in selected[0].tolist()]
+theirs_sets = [{s for s in row if s <= t} for t, row in enumerate(seen["theirs"][0].tolist())]  # causal part
+agree = sum(a == b for a, b in zip(ours_sets, theirs_sets))
+print(f"queries whose selection equals transformers': {agree} of {len(ours_sets)}")
+for t in (3, TOKENS // 2, TOKENS - 1):
+    print(f"query {t:3d} selects {sorted(ours_sets[t])}")
+shown = min(TOKENS, 96)  # the first queries (and so every key they can see): a readable heatmap
+topk_pattern_figure(index_scores[0, :shown, :shown], selected[0, :shown],
+                    title=f"deepseek_v32 layer {LAYER}: index scores and the top-{dc.indexer.topk} each query keeps")
+
+# %% [markdown]
+# ## 7. The real Kimi-Linear-48B, if it is here
 #
 # 48B parameters in bf16 are about 98 GB. With the routed experts left in the files behind an 8 GB expert
 # cache (`load_with_experts_on_disk`), everything else (attention, shared experts, embeddings: a few GB)

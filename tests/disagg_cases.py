@@ -19,7 +19,7 @@ def service(kv_cache_dtype: str = "auto", speculative: dict | None = None, memor
             **parallel) -> ServiceConfig:
     return ServiceConfig.from_dict({
         "model": {"preset": "tiny", "max_model_len": 256},
-        "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True,
+        "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "prefix_cache": {},
                    "kv_cache_dtype": kv_cache_dtype} | (memory or {}),
         "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}} | ({"parallel": parallel} if parallel else {})
         | ({"speculative": speculative} if speculative else {}))

@@ -6,7 +6,7 @@ prefixes (prefix-cache hits, KDA snapshots).
 from latentmoe_lab.serving import Engine, SamplingParams, ServiceConfig
 
 SERVICE = {"model": {"preset": "tiny", "max_model_len": 256},
-           "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True},
+           "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 2_000_000, "prefix_cache": {}},
            "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}}
 PROMPTS = [list(range(1, 1 + n)) for n in (1, 5, 17, 40, 33, 2, 64)] + [[7, 300, 11, 42, 5, 9, 260, 3, 1]]
 PARAMS = SamplingParams(max_tokens=6)

@@ -40,17 +40,15 @@ def view_shapes(pools, kind: str) -> dict[str, tuple[torch.dtype, tuple[int, ...
     return {name: (t.dtype, tuple(t.shape)) for name, t in block_views(pools, kind, 0).items()}
 
 
-def spill_service(model, prefix_cache=None, parallel=None, prefix=True, kv_cache_dtype="auto", offload=None,
+def spill_service(model, spill=None, parallel=None, prefix=True, kv_cache_dtype="auto", offload=None,
                   batch_invariant=False) -> ServiceConfig:
-    """1 running + 2 snapshot rows and 9 blocks (512 tokens + 1) per rank; with `offload`, host_cache_bytes sets
-    the blocks' latent rows."""
+    """1 running + 2 snapshot rows and 9 blocks (512 tokens + 1) per rank; `spill`: memory.prefix_cache's tier
+    keys; with `offload`, host_cache_bytes sets the blocks' latent rows."""
     data = {"model": {"max_model_len": 512}, "parallel": parallel or {},
-            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
-                       "prefix_snapshot_slots": 2 if prefix else 0, "kv_cache_dtype": kv_cache_dtype,
+            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "kv_cache_dtype": kv_cache_dtype,
+                       **({"prefix_cache": {"snapshot_slots": 2} | (spill or {})} if prefix else {}),
                        **({"offload": offload} if offload else {})},
             "scheduler": {"prefill_chunk_size": 512, "batch_invariant": batch_invariant, "max_batch_size": 4}}
-    if prefix_cache is not None:
-        data["prefix_cache"] = prefix_cache
     probe = ServiceConfig.from_dict(data)
     block, slot = pools_bytes(model.config, probe, 1, 0), pools_bytes(model.config, probe, 0, 1)
     data["memory"]["cache_bytes"] = 3 * slot + 9 * block

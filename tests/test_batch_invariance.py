@@ -125,7 +125,7 @@ def invariant_service(chunk=512, prefix=False, block=64, max_num_seqs=8, **sched
     return ServiceConfig.from_dict({
         "model": {"max_model_len": 1024},
         "memory": {"cache_bytes": 64 << 20, "block_size": block, "max_num_seqs": max_num_seqs,
-                   "enable_prefix_caching": prefix},
+                   "prefix_cache": {"enabled": prefix}},
         "scheduler": {"prefill_chunk_size": chunk, "batch_invariant": True, **scheduler}})
 
 
@@ -150,7 +150,7 @@ def test_chunks_end_on_the_grid_except_at_a_prompts_end(model):
 
 @pytest.mark.parametrize("change, message", [
     ({"scheduler": {"prefill_chunk_size": 100}}, "scheduler.prefill_chunk_size: (100) must be >= 128"),
-    ({"memory": {"enable_prefix_caching": True, "block_size": 16}}, "memory.block_size: (16) must be a multiple"),
+    ({"memory": {"prefix_cache": {}, "block_size": 16}}, "memory.block_size: (16) must be a multiple"),
     ({"parallel": {"forward_process": True}}, "scheduler.batch_invariant: needs the forward in the engine's process"),
 ])
 def test_rules(model, change, message):

@@ -14,7 +14,7 @@ from latentmoe_lab.server.disagg_report import DATA_NAME
 
 SERVICE = {"model": {"name": "tiny-pd", "preset": "tiny", "max_model_len": 256},
            "parallel": {"forward_threads": 1},
-           "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": False},
+           "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 4_000_000},
            "scheduler": {"max_batch_size": 64, "prefill_chunk_size": 32},
            "disaggregation": {"prefill_instances": 1, "decode_instances": 1, "transport": "pipe",
                               "decode": {"memory": {"cache_bytes": 6_000_000}}}}

@@ -19,7 +19,7 @@ from latentmoe_lab.serving.disagg.instance import InstanceFaults
 
 BASE = {"model": {"name": "tiny-pd", "preset": "tiny", "max_model_len": 512},
         "parallel": {"forward_threads": 1},
-        "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
+        "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 4_000_000, "prefix_cache": {}},
         "scheduler": {"max_batch_size": 64, "prefill_chunk_size": 96}}
 SERVICE = {**BASE, "disaggregation": {"prefill_instances": 1, "decode_instances": 1, "transport": "pipe",
                                       "decode": {"memory": {"cache_bytes": 6_000_000}}}}

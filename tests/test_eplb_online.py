@@ -70,7 +70,11 @@ def test_online_balancer_moves_a_few_layers_per_step():
     assert balancer.updates(window, 1) == {}  # not a rebalance step
     first = balancer.updates(window, 2)
     second = balancer.updates(window, 3)
-    assert sorted(first) == [0, 1] and sorted(second) == [2] and balancer.updates(window, 4) == {}
+    third = balancer.updates(window, 4)
+    # staged with one step, switched with the next (parallel/eplb/migration.py)
+    assert sorted(first["stage"]) == [0, 1] and first["commit"] == {}
+    assert sorted(second["commit"]) == [0, 1] and sorted(second["stage"]) == [2]
+    assert sorted(third["commit"]) == [2] and third["stage"] == {} and balancer.updates(window, 5) == {}
     # packing-aware counts: two replicas of the hot expert, one per rank (the plain greedy's three leave
     # one rank with two: 66.7 tokens against 50)
     phy2log, logcnt = balancer.slots()

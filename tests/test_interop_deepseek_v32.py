@@ -117,7 +117,7 @@ def test_engine_greedy_tokens_equal_generate_with_rope(tmp_path, paged_reads):
         layer.attn.paged_reads = paged_reads
     prompts = [[5, 9, 11], [5, 9, 11, 40, 41, 7, 3, 60, 2, 18, 33, 70, 12, 4, 8, 90, 17, 25], list(range(2, 40))]
     service = {"model": {"max_model_len": 128},
-               "memory": {"max_num_seqs": 3, "block_size": 16, "cache_bytes": 2_000_000, "enable_prefix_caching": True},
+               "memory": {"max_num_seqs": 3, "block_size": 16, "cache_bytes": 2_000_000, "prefix_cache": {}},
                "scheduler": {"max_batch_size": 8, "prefill_chunk_size": 16}}
     outputs = Engine(ours, ServiceConfig.from_dict(service)).generate(prompts, SamplingParams(max_tokens=6),
                                                                        use_tqdm=False)

@@ -63,7 +63,7 @@ def test_engine_greedy_tokens_equal_transformers_with_prefix_caching(pair):
     prompts = [shared + [5, 6], shared + [7], ragged_batch([6], seed=3)[0][0].tolist()]
     service = ServiceConfig.from_dict({"model": {"max_model_len": 256},
                                        "memory": {"cache_bytes": 8 << 20, "block_size": 16,
-                                                  "enable_prefix_caching": True}})
+                                                  "prefix_cache": {}}})
     outputs = Engine(ours, service).generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -98,7 +98,7 @@ def _service(method, chunk):
     from latentmoe_lab.serving import ServiceConfig
     return ServiceConfig.from_dict({
         "model": {"max_model_len": 256},
-        "memory": {"cache_bytes": 3_000_000, "block_size": 16, "max_num_seqs": 4, "enable_prefix_caching": True},
+        "memory": {"cache_bytes": 3_000_000, "block_size": 16, "max_num_seqs": 4, "prefix_cache": {}},
         "scheduler": {"prefill_chunk_size": chunk},
         "speculative": None if method is None else {"method": method, "num_speculative_tokens": 3}})
 

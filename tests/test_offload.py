@@ -17,7 +17,8 @@ HOT_ROWS = 40  # tiny's indexer keeps 32 rows; the long prompt has 1500
 
 
 def _service(offload: dict | None, max_model_len=2048, cache_bytes=3_000_000, prefix=False):
-    memory = {"max_num_seqs": 2, "block_size": 16, "cache_bytes": cache_bytes, "enable_prefix_caching": prefix}
+    memory = {"max_num_seqs": 2, "block_size": 16, "cache_bytes": cache_bytes,
+              "prefix_cache": {"enabled": prefix}}
     if offload is not None:
         memory["offload"] = offload
     return ServiceConfig.from_dict({"model": {"max_model_len": max_model_len}, "memory": memory,

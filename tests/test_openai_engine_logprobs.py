@@ -14,7 +14,7 @@ from latentmoe_lab.serving.sampling import adjusted_logits
 
 TOL = 1e-5
 SERVICE = {"model": {"name": "t", "preset": "tiny", "max_model_len": 256},
-           "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
+           "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 4_000_000, "prefix_cache": {}},
            "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 24}}
 
 

@@ -17,7 +17,7 @@ from latentmoe_lab.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 KEY = "fields-key"
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 128},
-           "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
+           "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 4_000_000, "prefix_cache": {}},
            "scheduler": {"max_batch_size": 64, "prefill_chunk_size": 32},
            "server": {"default_max_tokens": 5, "max_body_bytes": 65536}}
 PROMPT = "def add(a, b):\n    return a + b\n"

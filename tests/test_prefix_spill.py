@@ -22,8 +22,8 @@ from latentmoe_lab.serving.cache_tiers.spill_host import HostTier
 from spill_cases import BLOCK, PARAMS, block_views, pool_store, prompts, serve, spill_service  # noqa: F401
 
 
-def service(model, prefix_cache=None, prefix=True, kv_cache_dtype="auto") -> ServiceConfig:
-    return spill_service(model, prefix_cache, prefix=prefix, kv_cache_dtype=kv_cache_dtype, batch_invariant=True)
+def service(model, spill=None, prefix=True, kv_cache_dtype="auto") -> ServiceConfig:
+    return spill_service(model, spill, prefix=prefix, kv_cache_dtype=kv_cache_dtype, batch_invariant=True)
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +151,11 @@ def test_an_fp8_cache_spills_its_codes_under_its_own_key(model, prompts, tmp_pat
 def test_a_directory_of_another_key_or_unwritable_is_an_error_at_start(model, tmp_path, written):
     manifest = written / "spill.json"
     manifest.write_text(manifest.read_text().replace('"key": "', '"key": "0'))
-    with pytest.raises(ValueError, match=r"prefix_cache.disk_dir: .* was written for another model or cache"):
+    with pytest.raises(ValueError, match=r"memory.prefix_cache.disk_dir: .* was written for another model or cache"):
         Engine(model, service(model, {"disk_dir": str(tmp_path)}))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(ValueError, match=r"prefix_cache.disk_dir: cannot write the spill directory .*\(key "):
+    with pytest.raises(ValueError, match=r"memory.prefix_cache.disk_dir: cannot write the spill directory .*\(key "):
         Engine(model, service(model, {"disk_dir": str(blocker / "spill")}))
 
 
@@ -249,18 +249,16 @@ def test_a_fifo_or_a_link_in_the_spill_directory_is_refused_without_blocking(tmp
     assert len(lines) == 2 and all(line.startswith("refused:") and "unreadable" in line for line in lines), lines
 
 
-@pytest.mark.parametrize("section, memory, message", [
-    ({"host_bytes": -1}, {}, "prefix_cache.host_bytes: must be an integer >= 0"),
-    ({"disk_bytes": 10}, {}, "prefix_cache.disk_bytes: needs prefix_cache.disk_dir"),
-    ({"disk_dir": ""}, {}, "prefix_cache.disk_dir: must not be empty"),
-    ({"host_bytes": 10}, {"enable_prefix_caching": False, "prefix_snapshot_slots": 0},
-     "prefix_cache.host_bytes: spills the prefix cache: set memory.enable_prefix_caching true"),
-    ({"disk_dir": "x"}, {"prefix_snapshot_slots": 0}, "prefix_cache.disk_dir: needs memory.prefix_snapshot_slots"),
-    ({"host_bytes": "1 GB"}, {}, "prefix_cache.host_bytes: expected int"),
-    ({"hostbytes": 1}, {}, "prefix_cache.hostbytes: unknown key"),
+@pytest.mark.parametrize("section, message", [  # the deprecated keys' refusals: tests/test_cache_config.py
+    ({"host_bytes": -1}, "memory.prefix_cache.host_bytes: must be an integer >= 0"),
+    ({"disk_bytes": 10}, "memory.prefix_cache.disk_bytes: needs memory.prefix_cache.disk_dir"),
+    ({"disk_dir": ""}, "memory.prefix_cache.disk_dir: must not be empty"),
+    ({"disk_dir": "x", "snapshot_slots": 0}, "memory.prefix_cache.disk_dir: needs memory.prefix_cache.snapshot_slots"),
+    ({"host_bytes": "1 GB"}, "memory.prefix_cache.host_bytes: expected int"),
+    ({"hostbytes": 1}, "memory.prefix_cache.hostbytes: unknown key"),
 ])
-def test_config_errors_name_the_key(section, memory, message):
-    data = {"memory": {"cache_bytes": 1 << 20, "enable_prefix_caching": True, **memory}, "prefix_cache": section}
+def test_config_errors_name_the_key(section, message):
+    data = {"memory": {"cache_bytes": 1 << 20, "prefix_cache": section}}
     with pytest.raises(ValueError, match=message):
         ServiceConfig.from_dict(data)
 
@@ -275,7 +273,7 @@ def test_the_host_tier_demotes_its_least_recently_used_entries():
     host.put(b"c", "kda", dict(entry))
     assert demoted == [(b"b", "rows")] and host.nbytes == 80
     assert host.has(b"a", "rows") and host.has(b"c", "kda") and not host.has(b"b", "rows")
-    with pytest.raises(ValueError, match="prefix_cache.host_bytes"):
+    with pytest.raises(ValueError, match="memory.prefix_cache.host_bytes"):
         HostTier(-1)
 
 
@@ -371,13 +369,13 @@ def test_layers_that_share_an_indexer_spill_their_latent_rows_only():
 def test_a_spill_under_offloaded_dsa_rows_equals_a_fresh_run(model, prompts):
     """Both halves of the cache hierarchy at once: latent rows in part A's host tier (9 blocks' worth), the
     prefix cache spilled to host; logits of hits equal a fresh offloaded run without prefix caching."""
-    def offloaded(prefix, prefix_cache=None):
+    def offloaded(prefix, spill=None):
         data = {"model": {"max_model_len": 512},
-                "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": prefix,
-                           "prefix_snapshot_slots": 2 if prefix else 0, "cache_bytes": 400_000,
+                "memory": {"block_size": BLOCK, "max_num_seqs": 1, "cache_bytes": 400_000,
+                           **({"prefix_cache": {"snapshot_slots": 2} | (spill or {})} if prefix else {}),
                            "offload": {"host_cache_bytes": 60_000 if prefix else 200_000, "hot_rows_per_layer": 40}},
                 "scheduler": {"prefill_chunk_size": 512, "batch_invariant": True, "max_batch_size": 4}}
-        return ServiceConfig.from_dict(data | ({"prefix_cache": prefix_cache} if prefix_cache else {}))
+        return ServiceConfig.from_dict(data)
 
     fresh = serve(Engine(model, offloaded(False)), prompts)
     engine = Engine(model, offloaded(True, {"host_bytes": 1 << 20}))

@@ -22,7 +22,7 @@ from latentmoe_lab.tokenizer import ByteTokenizer
 KEY = "test-key"
 SERVICE = {"model": {"name": "tiny-test", "preset": "tiny", "max_model_len": 512},
            "parallel": {"forward_process": True},
-           "memory": {"max_num_seqs": 16, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
+           "memory": {"max_num_seqs": 16, "block_size": 16, "cache_bytes": 4_000_000, "prefix_cache": {}},
            "scheduler": {"max_batch_size": 128, "prefill_chunk_size": 96}}
 PROMPTS = ["Hello, world", "a", "The quick brown fox jumps over the lazy dog " * 3, "é ü 漢字"]
 NEW_TOKENS = 8

@@ -1,7 +1,7 @@
 """`latentmoe-lab serve` as a process: every stop path runs the one shutdown (server/lifecycle.py).
 
 SIGTERM (what kill, systemd, docker and Kubernetes send) used to end the process before engine.close(), so the
-prefix cache never reached prefix_cache.disk_dir; now SIGTERM, SIGHUP, SIGINT and the parent going away
+prefix cache never reached memory.prefix_cache.disk_dir; now SIGTERM, SIGHUP, SIGINT and the parent going away
 flush it, and a restart on the same directory serves disk hits. A port already in use is refused in one line,
 exit 2, before anything is loaded. Loopback only, every wait bounded.
 """
@@ -22,10 +22,9 @@ from latentmoe_lab.server.threaded import free_port
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "import os\nimport sys\n" * 4  # 80 bytes: 5 blocks of 16
 SERVICE = """model: {{name: m, preset: tiny, seed: 0, max_model_len: 512}}
-memory: {{max_num_seqs: 4, block_size: 16, cache_bytes: 4000000, enable_prefix_caching: true,
-         prefix_snapshot_slots: 4}}
+memory: {{max_num_seqs: 4, block_size: 16, cache_bytes: 4000000,
+         prefix_cache: {{snapshot_slots: 4, host_bytes: 0, disk_dir: {disk_dir}}}}}
 scheduler: {{max_batch_size: 4, prefill_chunk_size: 128}}
-prefix_cache: {{host_bytes: 0, disk_dir: {disk_dir}}}
 """
 UP_TIMEOUT_S = 300  # generous: a shared 2-core machine under load imports torch slowly
 STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + 30  # serve's own bound, and then some
@@ -83,7 +82,7 @@ def test_sigterm_flushes_the_prefix_cache_and_a_restart_hits_the_disk(tmp_path):
     log = (tmp_path / "first.log").read_text()
     assert "shutdown (SIGTERM)" in log and f"prefix cache flushed to {disk_dir}" in log, log[-2000:]
     assert "Traceback" not in log, log[-3000:]
-    assert list(disk_dir.glob("*/*.safetensors")), "SIGTERM wrote nothing to prefix_cache.disk_dir"
+    assert list(disk_dir.glob("*/*.safetensors")), "SIGTERM wrote nothing to memory.prefix_cache.disk_dir"
 
     process = _start(config, port, tmp_path / "second.log")
     try:

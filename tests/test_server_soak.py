@@ -11,7 +11,7 @@ from latentmoe_lab.server.threaded import start_service
 
 SERVICE = {"model": {"name": "tiny-soak", "preset": "tiny", "max_model_len": 512},
            "parallel": {"forward_process": True},  # as configs/service-cpu.yaml
-           "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 1_000_000, "enable_prefix_caching": True},
+           "memory": {"max_num_seqs": 8, "block_size": 16, "cache_bytes": 1_000_000, "prefix_cache": {}},
            "scheduler": {"max_batch_size": 32, "prefill_chunk_size": 128}}
 
 

@@ -24,7 +24,7 @@ def test_plan_service_prints_a_per_device_plan(tmp_path, capsys):
 def test_serve_bench_runs_a_small_workload(tmp_path, capsys):
     path = write(tmp_path, {"model": {"preset": "tiny", "max_model_len": 256},
                             "memory": {"cache_bytes": 2_000_000, "block_size": 16, "max_num_seqs": 4,
-                                       "enable_prefix_caching": True},
+                                       "prefix_cache": {}},
                             "scheduler": {"prefill_chunk_size": 64, "max_batch_size": 16}})
     report = tmp_path / "serve.html"
     code = main(["serve-bench", "--config", path, "--requests", "6", "--rate", "50", "--max-prompt", "48",

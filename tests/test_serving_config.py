@@ -44,7 +44,7 @@ def test_cpu_config_parses_and_plans():
     ({"memory": {"gpu_memory_utilization": 1.5}}, "memory.gpu_memory_utilization: must be a number in"),
     ({"memory": {"kv_cache_dtype": "int3"}}, "memory.kv_cache_dtype: must be one of"),
     ({"memory": {"enable_paged_attention": False}}, "memory.enable_paged_attention: must be true"),
-    ({"memory": {"prefix_snapshot_slots": 4}}, "memory.prefix_snapshot_slots: snapshots serve prefix caching"),
+    ({"memory": {"prefix_cache": {"snapshot_slots": -1}}}, "memory.prefix_cache.snapshot_slots: must be an integer"),
     ({"memory": {"device": "TPU"}}, "memory.device: must be one of"),
     ({"memory": {"max_num_seqs": 64}, "scheduler": {"max_batch_size": 8}}, "scheduler.max_batch_size: \\(8\\) must be >="),
     ({"model": {"preset": "huge"}}, "model.preset: must be one of"),
@@ -93,8 +93,8 @@ def test_from_yaml_refuses_a_missing_file(tmp_path):
 def service(kv_cache_dtype="auto", prefix=True, block=16, budget=1_000_000, max_len=256):
     return ServiceConfig.from_dict({
         "model": {"max_model_len": max_len},
-        "memory": {"cache_bytes": budget, "block_size": block, "max_num_seqs": 3, "enable_prefix_caching": prefix,
-                   "prefix_snapshot_slots": 5 if prefix else None, "kv_cache_dtype": kv_cache_dtype}})
+        "memory": {"cache_bytes": budget, "block_size": block, "max_num_seqs": 3, "kv_cache_dtype": kv_cache_dtype,
+                   **({"prefix_cache": {"snapshot_slots": 5}} if prefix else {})}})
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp32", "bf16", "fp8", "int8"])
@@ -228,7 +228,7 @@ def test_sizes_serve_would_die_on_are_refused_at_load(tmp_path, monkeypatch):
               r"memory\.cache_bytes: 268435456 \(268\.44 MB\) exceeds the 200\.00 MB of memory available"),
              ("forward_process: true", "forward_process: true\n  forward_threads: 3",
               r"parallel\.forward_threads: 3 exceeds the 2 cores this process may run on"),
-             ("prefix_snapshot_slots: 32 ", "prefix_snapshot_slots: 1000000000 ",
+             ("snapshot_slots: 32 ", "snapshot_slots: 1000000000 ",
               r"memory\.cache_bytes: 150000000 bytes cannot hold the 1000000032 KDA slots"),
              ("prefill_chunk_size: 512", "prefill_chunk_size: 512\n  max_log_records: 1000000000000",
               r"scheduler\.max_log_records: must be a positive integer, at most 1000000"),
@@ -270,7 +270,7 @@ def test_a_cpu_engine_without_cache_bytes_takes_a_stated_share_of_available_memo
 
     monkeypatch.setattr(host_limits, "available_memory_bytes", lambda: 300_000_000)
     path = _write(tmp_path, "model: {name: tiny-moe, max_model_len: 256, dtype: fp32, preset: tiny}\n"
-                            "memory: {max_num_seqs: 2, block_size: 16, enable_prefix_caching: true}\n"
+                            "memory: {max_num_seqs: 2, block_size: 16, prefix_cache: {}}\n"
                             "scheduler: {max_batch_size: 4, prefill_chunk_size: 64}\n")
     svc = ServiceConfig.from_yaml(path)
     assert svc.memory.cache_bytes is None

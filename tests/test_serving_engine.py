@@ -49,7 +49,7 @@ def service(chunk=64, block=16, prefix=False, cache_bytes=2_000_000, max_num_seq
     return ServiceConfig.from_dict({
         "model": {"max_model_len": max_model_len},
         "memory": {"cache_bytes": cache_bytes, "block_size": block, "max_num_seqs": max_num_seqs,
-                   "enable_prefix_caching": prefix, **memory},
+                   "prefix_cache": {"enabled": prefix}, **memory},
         "scheduler": {"prefill_chunk_size": chunk, "max_batch_size": max_batch_size}})
 
 

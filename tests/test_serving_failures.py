@@ -17,7 +17,7 @@ MAX_STEPS = 200  # a blame that never settles must fail the test, not hang it
 def service(tight: bool = False, **scheduler) -> ServiceConfig:
     """4 slots for 5 requests (one waits), prefix caching on, chunks of 16: every scheduler rule in play.
     tight: 5 blocks of 16 in the pools, so that blocks run out and sequences are preempted too."""
-    memory = {"block_size": 16, "max_num_seqs": 4, "enable_prefix_caching": True}
+    memory = {"block_size": 16, "max_num_seqs": 4, "prefix_cache": {}}
     data = {"model": {"max_model_len": 64 if tight else 128}, "memory": {**memory, "cache_bytes": 2_000_000},
             "scheduler": {"prefill_chunk_size": 16, "max_batch_size": 16, "max_step_retries": RETRIES, **scheduler}}
     if tight:

@@ -55,9 +55,8 @@ def spill_service(model) -> ServiceConfig:
     """ngram K=3 (K + 1 slots per running sequence), 2 snapshot rows and 9 blocks of 64 tokens on the device,
     the rest of the prefix cache in a host tier."""
     data = {"model": {"max_model_len": 512},
-            "memory": {"block_size": BLOCK, "max_num_seqs": 1, "enable_prefix_caching": True,
-                       "prefix_snapshot_slots": 2},
-            "prefix_cache": {"host_bytes": 1 << 20},
+            "memory": {"block_size": BLOCK, "max_num_seqs": 1,
+                       "prefix_cache": {"snapshot_slots": 2, "host_bytes": 1 << 20}},
             "scheduler": {"prefill_chunk_size": 512, "max_batch_size": 4},
             "speculative": {"method": "ngram", "num_speculative_tokens": K}}
     probe = ServiceConfig.from_dict(data)

@@ -72,13 +72,13 @@ class RequestOracle(Oracle):
 
 
 def service(method="ngram", k=3, chunk=64, prefix=True, cache_bytes=3_000_000, max_num_seqs=4, max_model_len=512,
-            batch_invariant=False, parallel=None, **memory):
+            batch_invariant=False, parallel=None, snapshot_slots=None, **memory):
     spec = None if method is None else {"method": "ngram" if method == "oracle" else method,
                                         "num_speculative_tokens": k}
     return ServiceConfig.from_dict({
         "model": {"max_model_len": max_model_len},
         "memory": {"cache_bytes": cache_bytes, "block_size": 16, "max_num_seqs": max_num_seqs,
-                   "enable_prefix_caching": prefix, **memory},
+                   "prefix_cache": {"enabled": prefix, "snapshot_slots": snapshot_slots}, **memory},
         "scheduler": {"prefill_chunk_size": chunk, "batch_invariant": batch_invariant}, "speculative": spec,
         "parallel": parallel or {}})
 
@@ -115,8 +115,9 @@ def test_greedy_with_speculation_equals_generate(model, prompts, references, met
         cache_bytes = plan.pool_rows * plan.slot_bytes + blocks * plan.block_bytes
     engine = engine_for(model, references, method, k=k, chunk=chunk, cache_bytes=cache_bytes, max_model_len=320)
     assert engine.plan.num_slots == 4 * (k + 1) and (blocks is None or engine.plan.num_blocks == blocks)
-    # planned == allocated: the K + 1 spec slots per sequence are in the pools the plan counted
-    assert sum(engine.runner.pools.nbytes().values()) == engine.plan.total_bytes
+    # planned == allocated: the K + 1 spec slots per sequence are in the pools the plan counted, and each slot
+    # row's MTP hidden row (spec/hidden_rows.py) beside them
+    assert sum(engine.runner.pools.nbytes().values()) + engine.slot_hidden.nbytes == engine.plan.total_bytes
     outputs = engine.generate([prompts[i] for i in chosen], SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
     for i, out in zip(chosen, outputs):
         assert out.error is None, out.error
@@ -202,7 +203,7 @@ def test_a_prefix_hit_after_many_rejections_equals_a_fresh_engine(model, prompts
     boundaries there; requests that extend them hit those blocks and snapshots and must get the logits of
     an engine that never speculated nor cached."""
     first = [prompts[i] for i in (6, 7, 9)]  # 31, 33, 65 tokens: 8+ generated tokens cross a block edge
-    engine = engine_for(model, references, "oracle", k=5, chunk=64, prefix_snapshot_slots=64)
+    engine = engine_for(model, references, "oracle", k=5, chunk=64, snapshot_slots=64)
     runs = engine.generate(first, SamplingParams(max_tokens=24), use_tqdm=False)
     stats = engine.stats()
     assert stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] > 20, "the run was meant to reject a lot"

@@ -34,7 +34,7 @@ def model():
 def service(speculative: dict | None = None, **extra) -> ServiceConfig:
     return ServiceConfig.from_dict({
         "model": {"preset": "tiny", "max_model_len": 256},
-        "memory": {"max_num_seqs": 4, "block_size": 64, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
+        "memory": {"max_num_seqs": 4, "block_size": 64, "cache_bytes": 4_000_000, "prefix_cache": {}},
         "scheduler": {"max_batch_size": 8, "prefill_chunk_size": 128, "batch_invariant": True}}
         | ({"speculative": speculative} if speculative else {}) | extra)
 

@@ -11,7 +11,7 @@ from latentmoe_lab.verify.inject import INJECTIONS, NEEDS, check_injection
 from latentmoe_lab.verify.report import PATHS
 from latentmoe_lab.verify.workload import build_workload
 
-SPILL = {"prefix_cache": {"host_bytes": 2_000_000}}
+SPILL = {"memory": BASE["memory"] | {"prefix_cache": {"host_bytes": 2_000_000}}}
 EVERY_PATH = BASE | NGRAM | SPILL  # prefix hits, tiers, speculation, chunking, preemption (tight pass), batching
 
 

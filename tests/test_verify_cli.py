@@ -66,7 +66,8 @@ def test_model_flag_verifies_a_saved_checkpoint_and_a_disk_tier_stays_in_scratch
     from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 
     LatentMoEForCausalLM(ModelConfig.from_preset("tiny")).save_pretrained(tmp_path / "ckpt")
-    service = BASE | {"prefix_cache": {"host_bytes": 0, "disk_dir": str(tmp_path / "spill")}}
+    spill = {"host_bytes": 0, "disk_dir": str(tmp_path / "spill")}
+    service = BASE | {"memory": BASE["memory"] | {"prefix_cache": spill}}
     (tmp_path / "service.yaml").write_text(yaml.safe_dump(service))
     result = run_cli("--config", str(tmp_path / "service.yaml"), "--model", str(tmp_path / "ckpt"),
                      "--prompts", "4", "--max-tokens", "4")
@@ -90,7 +91,7 @@ MATRIX = {
     "ep2-eplb": BASE | {"parallel": {"expert_parallel_size": 2},
                         "eplb": {"enabled": True, "num_redundant_experts": 2, "rebalance_interval_steps": 1000}},
     "tp2-spill-spec": BASE | NGRAM | {"parallel": {"tensor_parallel_size": 2},
-                                      "prefix_cache": {"host_bytes": 2_000_000}},
+                                      "memory": BASE["memory"] | {"prefix_cache": {"host_bytes": 2_000_000}}},
     "pp2-spec": BASE | NGRAM | {"parallel": {"pipeline_parallel_size": 2}},
 }
 

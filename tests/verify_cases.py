@@ -9,7 +9,7 @@ from latentmoe_lab.verify.drive import file_paths
 from latentmoe_lab.verify.run import verify_engine
 
 BASE = {"model": {"preset": "tiny", "max_model_len": 256},
-        "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 4_000_000, "enable_prefix_caching": True},
+        "memory": {"max_num_seqs": 4, "block_size": 16, "cache_bytes": 4_000_000, "prefix_cache": {}},
         "scheduler": {"max_batch_size": 16, "prefill_chunk_size": 32}}
 NGRAM = {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}
 

@@ -183,8 +183,8 @@ class EngineCandidate:
 
         if not isinstance(service_config, ServiceConfig):
             raise TypeError(f"service_config: expected a ServiceConfig, got {type(service_config).__name__}")
-        if service_config.memory.enable_prefix_caching:
-            raise ValueError("service_config: memory.enable_prefix_caching would skip cached prompt tokens; "
+        if service_config.memory.prefix_cache.enabled:
+            raise ValueError("service_config: memory.prefix_cache would skip cached prompt tokens; "
                              "alignment needs every token computed")
         self.model, self.service_config, self.name = model, service_config, name
 

@@ -7,6 +7,13 @@ copies). Here each tensor is copied (and cast) out of the mapping straight into 
 it came from is then dropped from the process with madvise(MADV_DONTNEED): the pages stay in the page cache,
 which the kernel reclaims under pressure, and the peak resident set stays about one copy of the model
 (docs/design.md §17).
+
+The copy itself goes in pieces of at most PARALLEL_GRAIN elements. A larger copy_ hands its work to torch's
+intra-op thread pool; on a busy machine waking the pool costs milliseconds per call, more than copying the
+megabyte itself, and a load makes thousands of such calls (a 1.65 GB checkpoint with 2 threads: 10.5 of its
+12.4 s; benchmarks/RESULTS.md, bench_load). Pieces under the grain run on the calling thread. Into a
+transposed destination (names.their_views' expert stacks) the pieces are blocks of a few rows, whose writes
+stay within a few cache lines per destination row.
 """
 from __future__ import annotations
 
@@ -20,6 +27,13 @@ from latentmoe_lab.checkpoint_integrity import SAFETENSORS_DTYPES, open_regular,
 
 PAGE = mmap.PAGESIZE
 COPY_BLOCK_BYTES = 8 << 20  # mapped bytes copied between two madvise calls
+PARALLEL_GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: a copy_ of more elements goes to the thread pool
+# A page fault maps more than the page: Linux's fault-around (64 KB by default) and, on recent kernels, the
+# whole large folio of the page cache that holds it (up to a PMD: 2 MB with 4 KB pages). Pages of the
+# neighbouring tensors (or of this tensor's dropped blocks) get mapped that way, and a read out of file order (a
+# layer's gate weights, then its up weights) would leave them mapped for good: ~30 MB per GB of checkpoint,
+# measured. So a read ends by dropping its tensor's range widened by this much on either side.
+NEIGHBOUR_BYTES = PAGE * (PAGE // 8)
 
 
 class MappedFiles:
@@ -74,15 +88,23 @@ class MappedFiles:
             stored = torch.frombuffer(buffer, dtype=stored_dtype, count=(end - begin) // stored_dtype.itemsize,
                                       offset=begin).view(shape)
         # copy a block of leading rows at a time and drop its pages at once: the mapped pages resident in the
-        # process never exceed one block, whatever the tensor's size
-        flat_out, flat_stored = (out, stored) if out.dim() else (out.view(1), stored.view(1))
-        row_bytes = max(1, (end - begin) // flat_stored.shape[0])
-        rows = max(1, COPY_BLOCK_BYTES // row_bytes)
-        for first in range(0, flat_stored.shape[0], rows):
-            flat_out[first:first + rows].copy_(flat_stored[first:first + rows])
-            low = begin + first * row_bytes
-            high = min(end, low + rows * row_bytes)
-            buffer.madvise(mmap.MADV_DONTNEED, low - low % PAGE, high - (low - low % PAGE))
+        # process never exceed one block, whatever the tensor's size. A contiguous destination is one long row
+        # of elements, so any piece of it is a slice.
+        if out.is_contiguous():
+            flat_out, flat_stored = out.view(-1), stored.reshape(-1)
+        else:
+            flat_out, flat_stored = (out, stored) if out.dim() else (out.view(1), stored.view(1))
+        rows = flat_stored.shape[0]
+        row_bytes = max(1, (end - begin) // rows)
+        block_rows = max(1, COPY_BLOCK_BYTES // row_bytes)
+        piece_rows = max(1, PARALLEL_GRAIN // max(1, flat_stored[0].numel()))
+        for block in range(0, rows, block_rows):
+            stop = min(rows, block + block_rows)
+            for first in range(block, stop, piece_rows):
+                last = min(stop, first + piece_rows)
+                flat_out[first:last].copy_(flat_stored[first:last])
+            _drop_pages(buffer, begin + block * row_bytes, begin + stop * row_bytes)
+        _drop_pages(buffer, begin - NEIGHBOUR_BYTES, end + NEIGHBOUR_BYTES)
         del stored, flat_stored
         return out
 
@@ -99,3 +121,13 @@ class MappedFiles:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _drop_pages(buffer: mmap.mmap, low: int, high: int) -> None:
+    """Unmap bytes low:high of the mapping from this process, widened to whole pages and clipped to the file.
+    The mapping is read-only, so a dropped page that is read again is simply faulted in again from the page
+    cache."""
+    low = max(0, low - low % PAGE)
+    high = min(len(buffer), high)
+    if high > low:
+        buffer.madvise(mmap.MADV_DONTNEED, low, high - low)

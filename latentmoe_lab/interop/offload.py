@@ -5,11 +5,19 @@ load_with_experts_on_disk loads everything but the routed experts as load.load_t
 MoE layer a CheckpointExperts in place of its LatentExperts. A forward reads each expert a token routes to from
 the memory-mapped safetensors (mapped_files.py: one owned copy, the mapping's pages dropped) into an
 ExpertCache (parallel/offload.py's LRU / LFU) shared by all layers and bounded in bytes, then runs the layer's
-own expert code on the gathered weights (functional_call), so the logits equal the fully loaded model's.
+own expert code on each expert's weights (functional_call), so the logits equal the fully loaded model's.
 The checkpoint's files stay mapped as long as the model lives.
+
+Each cached expert lives in its own anonymous memory mapping (`_own_pages`), not in the C allocator's heap:
+glibc raises its mmap threshold to the size of the first large block freed, after which expert-sized blocks
+come from the heap, and an evicted expert's block stays resident in the heap instead of going back to the
+system. Measured (1.65 GB checkpoint, 0.25 GB cache, 32-token prefill): 0.25 GB of free heap resident beside
+the cache before, 0.01 GB after (benchmarks/RESULTS.md, bench_load).
 """
 from __future__ import annotations
 
+import mmap
+import math
 from pathlib import Path
 
 import torch
@@ -39,14 +47,13 @@ class CheckpointExperts(nn.Module):
         self.mapped, self.names, self.cache = mapped, names, cache
         object.__setattr__(self, "template", template)  # meta weights: kept out of state_dict and .to()
         self.bytes_read = 0
-        self.group = max(1, cache.capacity // 4)  # experts whose weights are stacked at once in forward
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [in, 2*inter], w2 [inter, out]) of expert e, from the cache or read from the checkpoint."""
         def load():
             weights = []
             for entry, shape in zip(self.entries, self.expert_shapes):
-                one = torch.empty((1, *shape), dtype=self.dtype)
+                one = _own_pages((1, *shape), self.dtype)
                 per = len(entry.theirs) // self.num_experts  # 2 (gate, up) for w13, 1 for w2
                 theirs = tuple(entry.theirs[k * self.num_experts + e] for k in range(per))
                 for name, view in zip(theirs, their_views(TensorMapping(entry.ours, theirs, entry.kind), one)):
@@ -59,18 +66,18 @@ class CheckpointExperts(nn.Module):
     def forward(self, z_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if counts.dim() != 1 or counts.shape[0] != self.num_experts:
             raise ValueError(f"counts: expected shape ({self.num_experts},) [E], got {tuple(counts.shape)}")
-        active = counts.nonzero().flatten().tolist()
         out = z_perm.new_zeros(z_perm.shape)
-        ends = counts.cumsum(0).tolist()
-        # a group of experts at a time, so what is held beside the cache is a group's weights, not a layer's;
-        # z_perm is expert-major, so a group's rows are one contiguous range
-        for first in range(0, len(active), self.group):
-            group = active[first:first + self.group]
-            start, stop = ends[group[0]] - int(counts[group[0]]), ends[group[-1]]
-            weights = [self.expert(e) for e in group]
-            w13, w2 = torch.stack([w for w, _ in weights]), torch.stack([w for _, w in weights])
-            out[start:stop] = functional_call(self.template, {"w13": w13, "w2": w2},
-                                              (z_perm[start:stop], counts[group]))
+        # one expert at a time, on its cached weights as they are (a [1, ...] view, no copy): nothing is held
+        # beside the cache but one expert's rows. Stacking a group of experts first cost a copy of the group
+        # (hundreds of MB beside a 1 GB cache) and was slower (benchmarks/RESULTS.md, bench_load).
+        # z_perm is expert-major, so expert e's rows follow those of experts 0 .. e-1.
+        start = 0
+        for e, count in enumerate(counts.tolist()):
+            if count:
+                w13, w2 = self.expert(e)
+                out[start:start + count] = functional_call(self.template, {"w13": w13[None], "w2": w2[None]},
+                                                           (z_perm[start:start + count], counts[e:e + 1]))
+            start += count
         return out
 
 
@@ -97,6 +104,14 @@ def load_with_experts_on_disk(model_class: type, path: str | Path, cache_bytes: 
                                           (tuple(layer.experts.w13.shape), tuple(layer.experts.w2.shape)),
                                           dtype or torch.get_default_dtype(), mapped, names, cache, template)
     return model, cache
+
+
+def _own_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor of `shape` in its own anonymous mapping, unmapped when the tensor (and every view
+    of it) is gone: an evicted expert's pages go back to the system at once (module docstring)."""
+    numel = math.prod(shape)
+    pages = mmap.mmap(-1, max(1, numel * dtype.itemsize), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
 
 
 def _is_routed_expert(name: str) -> bool:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from latentmoe_lab.ops.activations import check_situ_betas
-from latentmoe_lab.ops.routing import expert_glu
+from latentmoe_lab.ops.fused_glu import fused_glu
 
 
 class SwiGLU(nn.Module):
@@ -13,6 +13,7 @@ class SwiGLU(nn.Module):
 
     activation_clamp c (shared experts, docs/design.md §1.2): silu(min(W1 x, c)) * clamp(W3 x, -c, c).
     situ_betas (beta_gate, beta_up): the product is situ(W1 x, W3 x) instead (K3's shared experts, §18).
+    The activation is `ops.fused_glu.fused_glu`: the plain formulas' values, one autograd node in training.
     """
 
     def __init__(self, hidden: int, intermediate: int, activation_clamp: float | None = None,
@@ -41,4 +42,4 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden:
             raise ValueError(f"x: expected last dim {self.hidden} [..., hidden], got shape {tuple(x.shape)}")
-        return self.w2(expert_glu(self.w1(x), self.w3(x), self.activation_clamp, self.situ_betas))
+        return self.w2(fused_glu(self.w1(x), self.w3(x), self.activation_clamp, self.situ_betas))

@@ -1,20 +1,26 @@
 """The paged (serving) side of the KDA layer: per-sequence conv tails and recurrent states in pool slots.
 
 A serving step packs S sequences into x [1, total, hidden] (ForwardBatch); each owns one slot of the
-layer's KDAPool: a conv tail pool.conv[slot] [channels, kernel-1] and a state pool.state[slot]
-[H, d_k, d_v] fp32. Decodes (batch.decode_indices(): one generated token) of many sequences advance
+layer's KDAPool: a conv tail [channels, kernel-1] and a state [H, d_k, d_v] fp32 (as stored: pool.conv[slot],
+pool.state[slot]). Decodes (batch.decode_indices(): one generated token) of many sequences advance
 together; a prompt chunk, even of one token, runs the chunked form on its own (a loop over sequences,
 never over tokens). A verify step of speculative decoding (batch.spec_slots, docs/design.md §12) runs its
 K + 1 tokens one recurrent step at a time and leaves the state and conv tail after each in its own slot
 (`advance_verify`); the engine then keeps the slot of the last accepted token.
 
 Two ways to advance the states, with the same math:
-  - `advance_gathered`, the reference: index_select the S states into an owned copy, advance it, and
-    index_copy_ it back (two extra passes over every state);
+  - `advance_gathered`, the reference: read the S states into an owned copy, advance it, and write it
+    back (two extra passes over every state);
   - `advance_in_pool`: the fused decode step (ops/kda_decode.py) runs on views of pool.state itself,
     one per run of consecutive slots, and prefills read and write their own slot row, so no state is
     copied. A decode step is memory-bound on CPU, so this removes about a third of the layer's traffic
     (benchmarks/bench_kda_paged_decode.py). tests/test_ops_kda_decode.py compares the two on ragged batches.
+
+Every state and conv tail goes through the pool's slot formats (memory.state_dtype, quant/kda_state.py): a
+read decodes to fp32, a write encodes, and a state written back continues its slot's rounding error (error
+feedback). Only a format that stores fp32 values (`in_place`) is advanced where it lives; a bf16 or int8 pool
+runs `advance_gathered` with the fused step on the decoded copy. A verify step reads each token's state back
+from its slot before the next token, so speculating gives the states plain decodes would.
 """
 from __future__ import annotations
 
@@ -47,29 +53,43 @@ def short_conv_paged(qkv: torch.Tensor, batch: ForwardBatch, pool: KDAPool, weig
     token_at = torch.arange(total, device=device) + history * (owner + 1)  # row of each new token
     steps = torch.arange(history, device=device)
     tail_at = (batch.query_start[:-1] + history * seq_ids)[:, None] + steps  # [S, kernel-1]
-    tails = pool.conv.index_select(0, batch.state_slot).to(qkv.dtype)  # [S, channels, kernel-1]
+    tails = pool.read_conv(batch.state_slot).to(qkv.dtype)  # [S, channels, kernel-1]
     tails = tails.masked_fill((batch.context_len == 0)[:, None, None], 0.0)
 
     rows = qkv.new_zeros(total + seqs * history, channels)
     rows[token_at] = qkv[0]
     rows[tail_at.flatten()] = rearrange(tails, "s c j -> (s j) c")
-    # Tap j meets the input history - j tokens back; products summed in fp32 (as a conv kernel accumulates).
-    weight = weight.float()
-    out = sum(rows[token_at - history + j].float() * weight[:, j] for j in range(kernel))
-
-    new_tail_at = (batch.query_start[1:] + history * (seq_ids + 1) - history)[:, None] + steps
-    new_tails = rearrange(rows[new_tail_at], "s j c -> s c j")
-    pool.conv.index_copy_(0, batch.state_slot, new_tails.detach().to(pool.conv.dtype))
     verifying = batch.verify_indices()
-    if verifying:  # the tail after EACH token of a verify step, into its spec slot (column 0 rewrites the above)
+    taps = rows  # what a token's earlier taps read
+    if verifying:
         spec = batch.spec_slots[verifying]  # [V, W], -1 past each row's tokens
         owner_row = torch.tensor(verifying, device=device)[:, None].expand_as(spec)
         token = batch.query_start[verifying][:, None] + torch.arange(spec.shape[1], device=device)
         written = spec >= 0
         row_of = token[written] + history * (owner_row[written] + 1)  # buffer row of each verify token
+        if not pool.conv_format.in_place:  # a later token of the step meets an earlier one as a decode would:
+            taps = rows.clone()  # through the tail it was stored in
+            taps[row_of] = _as_stored(pool, rows[row_of])
+    # Tap j meets the input history - j tokens back; products summed in fp32 (as a conv kernel accumulates).
+    weight = weight.float()
+    out = sum((rows if j == history else taps)[token_at - history + j].float() * weight[:, j] for j in range(kernel))
+
+    new_tail_at = (batch.query_start[1:] + history * (seq_ids + 1) - history)[:, None] + steps
+    new_tails = rearrange(rows[new_tail_at], "s j c -> s c j")
+    pool.write_conv(batch.state_slot, new_tails)
+    if verifying:  # the tail after EACH token of a verify step, into its spec slot (column 0 rewrites the above)
         tails_after = rearrange(rows[(row_of - history + 1)[:, None] + steps], "n j c -> n c j")
-        pool.conv.index_copy_(0, spec[written], tails_after.detach().to(pool.conv.dtype))
+        pool.write_conv(spec[written], tails_after)
     return out.to(qkv.dtype)[None]
+
+
+def _as_stored(pool: KDAPool, values: torch.Tensor) -> torch.Tensor:
+    """values [N, channels] as the pool's conv format gives them back from a tail column (a write, then a
+    read, of a one-column tail: a stored column keeps its bytes when the tail shifts, quant/kda_state.py)."""
+    fmt, slots = pool.conv_format, torch.arange(len(values), device=values.device)
+    scratch = fmt.allocate(len(values), (values.shape[1], 1), values.device)
+    fmt.write(scratch, slots, values[:, :, None])
+    return fmt.read(scratch, slots)[:, :, 0].to(values.dtype)
 
 
 def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tensor, ...], chunk_size: int,
@@ -80,10 +100,10 @@ def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tens
     Works for every backend and with gradients (decode_step chooses the op).
     """
     q, k, v, g, beta = heads
-    state = pool.state.index_select(0, batch.state_slot)  # [S, H, d_k, d_v] fp32, an owned copy
-    fresh = batch.context_len == 0  # a new sequence starts from S = 0, whatever the slot held
+    fresh = batch.context_len == 0  # a new sequence starts from S = 0 and no carry, whatever the slot held
     if bool(fresh.any()):
-        state.masked_fill_(fresh[:, None, None, None], 0.0)
+        pool.state.index_fill_(0, batch.state_slot[fresh], 0)
+    state = pool.read_state(batch.state_slot)  # [S, H, d_k, d_v] fp32, an owned copy
     out = v.new_empty(v.shape)
     starts = batch.query_start.tolist()
     decodes = batch.decode_indices()
@@ -105,8 +125,12 @@ def advance_gathered(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tens
                                chunk_size=chunk_size)
         out[:, span] = o
         state[i] = final[0]
-    pool.state.index_copy_(0, batch.state_slot, state.detach())
-    if verifying:  # after the scatter above, which wrote their untouched initial states back
+    advanced = [i for i in range(batch.num_seqs) if i not in verifying]  # verify rows write per token below
+    if len(advanced) == batch.num_seqs:
+        pool.write_state(batch.state_slot, state)
+    elif advanced:
+        pool.write_state(batch.state_slot[advanced], state[advanced])
+    if verifying:
         advance_verify(pool, batch, heads, decode_step, out, state[verifying].detach())
     return out
 
@@ -116,7 +140,10 @@ def advance_in_pool(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tenso
     """`advance_gathered` without the copies: the states are advanced where they live, in pool.state.
 
     Same shapes. Forward-only (the fused step has no backward) on the torch backend; the layer checks that.
+    A pool whose state format does not store fp32 values runs `advance_gathered` with the fused step instead.
     """
+    if not pool.state_format.in_place:
+        return advance_gathered(pool, batch, heads, chunk_size, kda_decode_step_)
     q, k, v, g, beta = heads
     state = pool.state  # [slots, H, d_k, d_v], contiguous: a slice of rows is a contiguous view
     slots = batch.state_slot.tolist()
@@ -148,7 +175,9 @@ def advance_verify(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tensor
     accepted token, so a rejection costs no copy and the accepted states are those of plain decodes.
 
     state [V, H, d_k, d_v] fp32: their initial states, an owned copy (advanced in place); heads as in
-    advance_gathered; out [1, total, H, d_v] gets their outputs.
+    advance_gathered; out [1, total, H, d_v] gets their outputs. Token t's state continues the rounding
+    error of token t - 1's slot, and a format that does not store fp32 values gives the next token the
+    state read back from the slot, as a decode would start from it.
     """
     verifying = batch.verify_indices()
     spec = batch.spec_slots[verifying]  # [V, W]
@@ -159,9 +188,11 @@ def advance_verify(pool: KDAPool, batch: ForwardBatch, heads: tuple[torch.Tensor
         rows = state if len(active) == len(lengths) else state[active]
         tokens = starts[active] + t
         out[0, tokens] = decode_step(rows, *(h[0, tokens] for h in heads))
+        pool.write_state(spec[active, t], rows, carry_from=spec[active, t - 1] if t else None)
+        if not pool.state_format.in_place:
+            rows.copy_(pool.read_state(spec[active, t]))
         if rows is not state:
             state[active] = rows
-        pool.state.index_copy_(0, spec[active, t], rows)
 
 
 def _prompt_chunks(batch: ForwardBatch, verifying: list[int]) -> list[int]:

@@ -34,6 +34,7 @@ from latentmoe_lab.layers.ffn import SwiGLU
 from latentmoe_lab.layers.norm import RMSNorm
 from latentmoe_lab.ops import batch_invariant
 from latentmoe_lab.ops.balancing import bias_update, quantile_bias, router_z_loss, sequence_aux_loss
+from latentmoe_lab.ops.fused_glu import fused_glu
 from latentmoe_lab.ops.grouped_experts import fits as grouped_experts_fit, grouped_swiglu_experts
 from latentmoe_lab.ops.routed_experts import fused_routed_experts, on_torch_backend
 from latentmoe_lab.ops.routing import (DispatchPlan, combine, count_routed, grouped_matmul, grouped_matmul_reference,
@@ -119,8 +120,8 @@ class LatentExperts(nn.Module):
         tiles = []
         for start, stop in row_tiles(z_perm.shape[0], z_perm.device):
             tile_offsets = (offsets - start).clamp(0, stop - start)  # each expert's rows inside the tile
-            hidden = _glu(grouped_matmul(z_perm[start:stop], self.w13, tile_offsets), self.activation_clamp,
-                          self.situ_betas)
+            gate, up = grouped_matmul(z_perm[start:stop], self.w13, tile_offsets).chunk(2, dim=-1)
+            hidden = fused_glu(gate, up, self.activation_clamp, self.situ_betas)  # one autograd node in training
             tiles.append(grouped_matmul(hidden, self.w2, tile_offsets))
         return torch.cat(tiles) if len(tiles) > 1 else tiles[0]
 

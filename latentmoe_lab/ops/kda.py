@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 
 from latentmoe_lab.ops.backend import resolve_backend
-from latentmoe_lab.ops.kda_intra import ChunkDecays, intra_chunk_scores
+from latentmoe_lab.ops.kda_intra import chunk_decays_and_scores
 from latentmoe_lab.ops.kda_state import chunk_states
 
 # Token-heads per group of chunks in kda_chunked: 8192 x 64 fp32 channels = 2 MiB per intermediate, so a
@@ -156,8 +156,7 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                   "b (n c) h ... -> n (b h) c ...", c=chunk_size).contiguous()
         for t in (q, k, v, g, beta)
     )
-    decays = ChunkDecays(g)
-    attn_qk, attn_kk = intra_chunk_scores(q, k, beta, decays)  # [N, BH, C, C]; Aqk without the scale
+    decays, attn_qk, attn_kk = chunk_decays_and_scores(q, k, beta, g)  # [N, BH, C, C]; Aqk without the scale
 
     # (I + diag(beta) A)^-1 diag(beta) once per chunk (A's unit diagonal is implied), then W and U.
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)

@@ -28,11 +28,11 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 @functools.cache
 def _compiled_group(compile_backend: str):
     """`ops.kda._chunk_group` compiled, with its intra-chunk scores left eager (see below)."""
-    # intra_chunk_scores branches on the data (blocks whose decays would overflow are redone in halves,
+    # chunk_decays_and_scores branches on the data (blocks whose decays would overflow are redone in halves,
     # ops/kda_intra.py) and fills an einsum result in place, which AOT autograd's fake tensors cannot
     # trace (a stride mismatch in the view). It runs eager between two compiled graphs: the same code
     # object as _chunk_group, bound to globals in which that one call is excluded from compilation.
-    scope = dict(vars(kda_ops), intra_chunk_scores=torch.compiler.disable(kda_ops.intra_chunk_scores))
+    scope = dict(vars(kda_ops), chunk_decays_and_scores=torch.compiler.disable(kda_ops.chunk_decays_and_scores))
     group = types.FunctionType(_chunk_group.__code__, scope, _chunk_group.__name__)
     return torch.compile(group, backend=compile_backend, dynamic=False)
 

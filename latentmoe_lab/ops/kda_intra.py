@@ -11,6 +11,12 @@ Their gradients are taken in log space (`DecayProduct`, `GrownKeys`: d decay / d
 autograd through exp().cumprod() and a division: d(keys / decay)/d decay = -(keys / decay) / decay reaches
 1e40 for a decay of 1e-20, inf in fp32, and inf * 0 is NaN wherever a score is discarded or masked (that
 was kda_chunked's NaN gradient of g once a chunk decayed past ~e^-44; docs/design.md §1.3).
+
+Eager, `chunk_decays_and_scores` runs the decays and every chunk's one-block scores as one autograd.Function
+(`_ChunkScores`, its backward written out: two bmm and one triangular-matrix suffix sum for all of g's log-space
+terms) and halves only the chunks that are not safe, through autograd as before. Its plain twin is
+`ChunkDecays` + `intra_chunk_scores` (autograd through DecayProduct, GrownKeys and the products), which the
+compiled step keeps (its custom op) and tests/test_kda_intra_function.py compares it with.
 """
 from __future__ import annotations
 
@@ -20,8 +26,10 @@ from einops import einsum
 
 # A block's own keys are grown by up to 1 / (the block's total decay); past this the block is halved.
 SAFE_GROWTH = 1e20
-# Blocks this small take every pair's decay directly ([s, s, K] per block) instead of halving further.
-PAIRWISE_SIZE = 8
+# Blocks this small take every pair's decay directly ([s, s, K] per block) instead of halving further. 4, not 8:
+# under the lower-bound gates (g >= -5) an 8-token block decays by at most e^-40, inside SAFE_GROWTH, so it takes
+# one grown product; forming its [8, 8, K] pair decays cost 1.8x more at K3's gates (RESULTS.md, issue 44).
+PAIRWISE_SIZE = 4
 
 
 class DecayProduct(torch.autograd.Function):
@@ -93,11 +101,88 @@ class ChunkDecays:
       whole_chunk  [..., K]     exp(Gamma_C)
     """
 
-    def __init__(self, g: torch.Tensor):
-        self.g, self.steps = g, g.detach().exp()
-        self.from_start = DecayProduct.apply(g, self.steps, "prefix")
-        self.to_end = DecayProduct.apply(g, self.steps, "suffix")
+    def __init__(self, g: torch.Tensor, steps: torch.Tensor | None = None, from_start: torch.Tensor | None = None,
+                 to_end: torch.Tensor | None = None):
+        """The products through DecayProduct, or those given (`chunk_decays_and_scores` forms them itself)."""
+        self.g = g
+        self.steps = g.detach().exp() if steps is None else steps
+        self.from_start = DecayProduct.apply(g, self.steps, "prefix") if from_start is None else from_start
+        self.to_end = DecayProduct.apply(g, self.steps, "suffix") if to_end is None else to_end
         self.whole_chunk = self.from_start[..., -1, :]
+
+
+class _ChunkScores(torch.autograd.Function):
+    """Every chunk as one block (`_grown_scores` with the chunk's decays) and the decays themselves, in one node:
+    q, k, g, steps = exp(g) [F, C, K], beta [F, C] -> (attn [F, 2C, C] masked (qk | A), from_start, to_end).
+
+    Forward, with P = from_start:  R = [q; beta k] * P,  G = k / max(P, 1 / SAFE_GROWTH),  attn = R G^T masked.
+    Backward, from dattn (masked), dP and dE (= d to_end):
+        dR = dattn G,  dG = dattn^T R     dq = dR_q P,  dk = dR_A P beta + dG / max(P, ..),  dbeta = <dR_A P, k>
+        dg_t = sum_{i >= t} [sum_x dR_x R_x - dG G + dP P]_i  +  sum_{i < t} [dE E]_i       (log space, as
+    DecayProduct and GrownKeys take them; the two sums are one product with a [C, 2C] 0/1 matrix).
+    Scores of chunks that are not safe are meaningless here: the caller overwrites them in place (so their
+    gradient arrives here as zeros), and their divisor's clamp never reaches a gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, beta, g, steps):
+        rows, chunk, dim = q.shape
+        from_start, to_end = steps.cumprod(dim=1), _exclusive_suffix_product(steps)
+        grown_rows = q.new_empty(rows, 2, chunk, dim)
+        torch.mul(q, from_start, out=grown_rows[:, 0])
+        torch.mul(k * beta[..., None], from_start, out=grown_rows[:, 1])
+        divisor = from_start.clamp_min(1.0 / SAFE_GROWTH)
+        grown_keys = k / divisor
+        # [F, 2C, C], not a view: the caller views it as [F, 2, C, C] and overwrites unsafe chunks in place
+        attn = torch.bmm(grown_rows.view(rows, 2 * chunk, dim), grown_keys.transpose(1, 2))
+        _masked(attn.view(rows, 2, chunk, chunk))
+        ctx.save_for_backward(k, beta, from_start, to_end, divisor, grown_rows, grown_keys)
+        return attn, from_start, to_end
+
+    @staticmethod
+    def backward(ctx, grad_attn, grad_from_start, grad_to_end):
+        k, beta, from_start, to_end, divisor, grown_rows, grown_keys = ctx.saved_tensors
+        rows, chunk, dim = k.shape
+        grad_scores = grad_attn.clone(memory_format=torch.contiguous_format)
+        _masked(grad_scores.view(rows, 2, chunk, chunk))
+        grad_rows = torch.bmm(grad_scores, grown_keys).view(rows, 2, chunk, dim)
+        grad_keys = torch.bmm(grad_scores.transpose(1, 2), grown_rows.view(rows, 2 * chunk, dim))
+        terms = torch.empty(rows, 2 * chunk, dim, dtype=k.dtype, device=k.device)  # [suffix-summed | prefix-summed]
+        later_terms, earlier_terms = terms[:, :chunk], terms[:, chunk:]
+        torch.mul(grad_rows[:, 0], grown_rows[:, 0], out=later_terms)
+        later_terms.addcmul_(grad_rows[:, 1], grown_rows[:, 1]).addcmul_(grad_from_start, from_start)
+        later_terms.addcmul_(grad_keys, grown_keys, value=-1.0)
+        torch.mul(grad_to_end, to_end, out=earlier_terms)
+        grad_g = torch.matmul(_log_decay_sums(chunk, k.dtype, k.device), terms)
+        grad_rows.mul_(from_start[:, None])
+        grad_q, grad_beta_keys = grad_rows[:, 0], grad_rows[:, 1]
+        grad_beta = (grad_beta_keys * k).sum(-1)
+        grad_k = grad_keys.div_(divisor).addcmul_(grad_beta_keys, beta[..., None])
+        return grad_q, grad_k, grad_beta, grad_g, None
+
+
+def chunk_decays_and_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
+                            ) -> tuple[ChunkDecays, torch.Tensor, torch.Tensor]:
+    """`ChunkDecays(g)` and `intra_chunk_scores` at once: q, k, g [..., C, K], beta [..., C] ->
+    (decays, Aqk [..., C, C], diag(beta) A [..., C, C]); the same values, fewer autograd nodes (`_ChunkScores`).
+
+    Under torch.compile it is the two plain calls (the scores as their custom op, see `intra_chunk_scores`).
+    """
+    if torch.compiler.is_compiling():
+        decays = ChunkDecays(g)
+        return (decays, *intra_chunk_scores(q, k, beta, decays))
+    *lead, chunk, dim = q.shape
+    flat_q, keys, flat_g = (t.reshape(-1, chunk, dim) for t in (q, k, g))
+    flat_beta, steps = beta.reshape(-1, chunk), flat_g.detach().exp()
+    attn, from_start, to_end = _ChunkScores.apply(flat_q, keys, flat_beta, flat_g, steps)
+    attn = attn.view(-1, 2, chunk, chunk)
+    safe = from_start[:, -1].amin(dim=-1) >= 1.0 / SAFE_GROWTH
+    if not bool(safe.all()):
+        rows = torch.stack([flat_q, keys * flat_beta[..., None]], dim=1)  # [F, 2, C, K], as _intra_chunk_scores
+        _halve_unsafe_chunks(attn, rows, keys, flat_g, steps, (~safe).nonzero().squeeze(1))
+    decays = ChunkDecays(g, steps.view(g.shape), from_start.view(g.shape), to_end.view(g.shape))
+    attn = attn.reshape(*lead, 2, chunk, chunk)
+    return decays, attn[..., 0, :, :], attn[..., 1, :, :]
 
 
 def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
@@ -129,8 +214,18 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     rows = torch.stack([q, k * beta[..., None]], dim=-3).reshape(-1, 2, chunk, dim)  # [F, 2, C, K]
     keys, g, steps = (t.reshape(-1, chunk, dim) for t in (k, decays.g, decays.steps))
     attn, safe = _grown_scores(rows, keys, g, decays.from_start.reshape(-1, chunk, dim))  # [F, (qk | A), C, C]
+    if not bool(safe.all()):
+        _halve_unsafe_chunks(attn, rows, keys, g, steps, (~safe).nonzero().squeeze(1))
+    attn = attn.reshape(*lead, 2, chunk, chunk)
+    return attn[..., 0, :, :], attn[..., 1, :, :]
+
+
+def _halve_unsafe_chunks(attn: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, g: torch.Tensor,
+                         steps: torch.Tensor, unsafe: torch.Tensor) -> None:
+    """Overwrite, in place, the scores attn [F, 2, C, C] of the chunks `unsafe` [M] (ids) by halving them (see
+    `_intra_chunk_scores`): rows [F, 2, C, K], keys, g and steps [F, C, K], all differentiable where they need be."""
     # Blocks still to halve: (chunk ids [M], start, size). Their entries in attn are overwritten below.
-    pending = [] if bool(safe.all()) else [((~safe).nonzero().squeeze(1), 0, chunk)]
+    pending = [(unsafe, 0, attn.shape[-1])]
     while pending:
         ids, start, size = pending.pop()
         half = size // 2
@@ -157,13 +252,12 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
             attn[ids[safe], :, where, where] = scores[safe]
             if not bool(safe.all()):
                 pending.append((ids[~safe], start + first, stop - first))
-    attn = attn.reshape(*lead, 2, chunk, chunk)
-    return attn[..., 0, :, :], attn[..., 1, :, :]
 
 
 # ---- the custom op: forward and backward opaque to torch.compile, fake rules give the [..., C, C] shapes.
 # Its backward recomputes the forward with autograd on (the halving's graph is only known at run time), so a
-# compiled step pays the intra-chunk scores twice; the eager path keeps its one forward.
+# compiled step pays the intra-chunk scores twice; the eager path keeps its one forward. The recompute is the
+# fused `chunk_decays_and_scores` (same values, a written-out backward).
 
 @torch.library.custom_op("latentmoe::kda_intra_chunk_scores", mutates_args=())
 def _scores_op(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
@@ -187,7 +281,7 @@ def _scores_backward_op(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g:
     below_autograd = torch._C._dispatch_tls_local_exclude_set()
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                          below_autograd.remove(torch._C.DispatchKey.AutogradCPU)), torch.enable_grad():
-        outputs = _intra_chunk_scores(*inputs[:3], ChunkDecays(inputs[3]))
+        outputs = chunk_decays_and_scores(*inputs)[1:]  # (the fused node: its backward is written out)
         grads = torch.autograd.grad(outputs, inputs, (grad_qk, grad_kk), allow_unused=True)
     return [t.new_zeros(t.shape) if grad is None else grad.contiguous() for t, grad in zip(inputs, grads)]
 
@@ -248,3 +342,9 @@ def _suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _exclusive_suffix_product(x: torch.Tensor) -> torch.Tensor:
     """[..., n, K] -> product of the rows after each row (1 for the last), along dim -2."""
     return F.pad(x.flip(-2)[..., :-1, :], (0, 0, 1, 0), value=1.0).cumprod(dim=-2).flip(-2)
+
+
+def _log_decay_sums(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[size(t), 2 size] 0/1: row t sums the first half's entries i >= t and the second half's i < t."""
+    index = torch.arange(size, device=device)
+    return torch.cat([index[None, :] >= index[:, None], index[None, :] < index[:, None]], dim=1).to(dtype)

@@ -27,7 +27,8 @@ from itertools import accumulate
 import torch
 
 from latentmoe_lab.ops.backend import resolve_backend
-from latentmoe_lab.ops.grouped_experts import expert_tiles, glu_activation, glu_activation_backward
+from latentmoe_lab.ops.fused_glu import glu_backward
+from latentmoe_lab.ops.grouped_experts import expert_tiles, glu_activation
 from latentmoe_lab.ops.routing import DispatchPlan
 
 
@@ -114,6 +115,7 @@ class _FusedRoutedExperts(torch.autograd.Function):
         grad_mixed = grad_mixed.float().contiguous()
         grad_rows, z_rows = grad_mixed.new_empty(most, latent), z.new_empty(most, latent)
         grad_act, grad_in = z.new_empty(most, inter), z.new_empty(most, latent)
+        grad_pre_space = z.new_empty(most, 2 * inter)
         # fp32 at least: a token's K rows are summed here, as the forward's combine sums them
         grad_z = torch.zeros(z.shape, dtype=torch.promote_types(z.dtype, torch.float32), device=z.device)
         grad_pair = torch.zeros(pair_of_row.shape[0], dtype=torch.float32, device=z.device)
@@ -124,11 +126,14 @@ class _FusedRoutedExperts(torch.autograd.Function):
             if need_weights:
                 grad_pair.index_copy_(0, pair_of_row[row:row + rows], (grad_t * out.float()).sum(-1))
             grad_out = grad_t.mul_(row_weight[row:row + rows, None]).to(z.dtype)
-            grad_pre = glu_activation_backward(
-                pre, _rows_times(grad_out, w2[first:stop].transpose(1, 2), bounds, grad_act[:rows]),
-                ctx.clamp, ctx.situ_betas)
+            grad_act_t = _rows_times(grad_out, w2[first:stop].transpose(1, 2), bounds, grad_act[:rows])
+            # d pre (gate | up halves) and the activation for dW2 from one pass of the slopes (ops.fused_glu); the
+            # gate contiguous as in the forward's glu_activation, so act has the forward's bits
+            grad_pre = grad_pre_space[:rows]
+            act = glu_backward(pre[:, :inter].contiguous(), pre[:, inter:], grad_act_t, grad_pre[:, :inter],
+                               grad_pre[:, inter:], ctx.clamp, ctx.situ_betas)
             if need_w2:
-                _columns_times(glu_activation(pre, ctx.clamp, ctx.situ_betas), grad_out, bounds, grad_w2[first:stop])
+                _columns_times(act, grad_out, bounds, grad_w2[first:stop])
             if need_w13:
                 z_t = torch.index_select(z, 0, tokens, out=z_rows[:rows])
                 _columns_times(z_t, grad_pre, bounds, grad_w13[first:stop])

@@ -167,7 +167,8 @@ ROOFLINE_PARTS = ("indexer scan", "top-k gather", "host -> hot swap", "sparse at
 
 def decode_roofline(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, context: int = 2 ** 20,
                     kv_cache_dtype: str = "fp8", expert_format: str = "fp8", swap_fraction: float | None = None,
-                    host_bandwidth: float = HOST_LINK_BANDWIDTH) -> dict[str, dict[str, float]]:
+                    host_bandwidth: float = HOST_LINK_BANDWIDTH, index_key_dtype: str = "auto"
+                    ) -> dict[str, dict[str, float]]:
     """One sequence's decode token at `context` positions, per part, summed over the layers (docs/design.md §15.2).
 
     A lone sequence crosses the pp stages one after the other, so its token takes the sum over every layer
@@ -181,6 +182,7 @@ def decode_roofline(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, 
       MoE weights        the routed experts one token touches on the busiest EP rank (ceil(top_k / ep)) and
                          the shared experts, intermediate / tp, in expert_format (shared in bf16)
       other weights      attention / KDA / dense-FFN projections / tp in bf16
+    index_key_dtype: as memory.index_key_dtype (int4 / fp4: the scan reads 4-bit keys).
     -> {part: {"bytes", "flops", "seconds", "layers"}} plus "total": {"seconds", "tokens_per_s"}.
     """
     from latentmoe_lab.quant.kv import kv_bytes_per_token
@@ -190,7 +192,7 @@ def decode_roofline(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, 
     if swap_fraction is not None and not 0 <= swap_fraction <= 1:
         raise ValueError(f"swap_fraction: must lie in [0, 1] or be None, got {swap_fraction!r}")
     mla, idx, kda, moe, tp = config.mla, config.indexer, config.kda, config.moe, pconfig.tp
-    per_token = kv_bytes_per_token(config, kv_cache_dtype)
+    per_token = kv_bytes_per_token(config, kv_cache_dtype, index_key_dtype=index_key_dtype)
     selected = min(idx.topk, context)
     attention_params = _projection_params(config)
     parts = {name: {"bytes": 0.0, "flops": 0.0, "seconds": 0.0, "layers": 0} for name in ROOFLINE_PARTS}
@@ -239,15 +241,17 @@ def _projection_params(config: ModelConfig) -> dict[str, int]:
 
 def decode_roofline_text(config: ModelConfig, pconfig: ParallelConfig, hw: Hardware, context: int = 2 ** 20,
                          kv_cache_dtype: str = "fp8", expert_format: str = "fp8",
-                         swap_fraction: float | None = None) -> str:
+                         swap_fraction: float | None = None, index_key_dtype: str = "auto") -> str:
     """decode_roofline as a table: one line per part, its share of the token's time."""
-    rows = decode_roofline(config, pconfig, hw, context, kv_cache_dtype, expert_format, swap_fraction)
+    rows = decode_roofline(config, pconfig, hw, context, kv_cache_dtype, expert_format, swap_fraction,
+                           index_key_dtype=index_key_dtype)
     total = rows.pop("total")
     from latentmoe_lab.meta import format_bytes
 
     swap = "no host tier" if swap_fraction is None else f"host tier, {swap_fraction:.0%} of top-k rows swapped in"
+    keys = "" if index_key_dtype == "auto" else f", {index_key_dtype} index keys"
     lines = [f"decode roofline, one sequence at {context:,} tokens, TP {pconfig.tp} x EP {pconfig.ep} x PP "
-             f"{pconfig.pp} on {hw.name} ({kv_cache_dtype} cache, {expert_format} experts, {swap}, "
+             f"{pconfig.pp} on {hw.name} ({kv_cache_dtype} cache{keys}, {expert_format} experts, {swap}, "
              f"dsa.index_share_every {config.dsa.index_share_every}):",
              f"  {'part':<20}{'layers':>7}{'bytes':>12}{'GFLOP':>9}{'ms':>9}{'share':>8}"]
     for name, part in rows.items():

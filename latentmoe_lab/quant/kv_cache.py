@@ -41,9 +41,11 @@ class CodecDSALayerCache(DSALayerCache):
                        keys.to(index_keys.dtype).reshape(batch, steps, -1))
 
 
-def quantized_kv_cache(config: ModelConfig, kv_cache_dtype: str, model_dtype: str = "bf16") -> HybridCache:
-    """A fresh HybridCache for `config` whose DSA layers store values as a `kv_cache_dtype` pool returns them."""
-    latent_format, index_format = kv_formats(config, kv_cache_dtype, model_dtype)
+def quantized_kv_cache(config: ModelConfig, kv_cache_dtype: str, model_dtype: str = "bf16",
+                       index_key_dtype: str = "auto") -> HybridCache:
+    """A fresh HybridCache for `config` whose DSA layers store values as a `kv_cache_dtype` pool returns them
+    (index keys as an `index_key_dtype` pool: memory.index_key_dtype)."""
+    latent_format, index_format = kv_formats(config, kv_cache_dtype, model_dtype, index_key_dtype)
     cache = HybridCache(config)
     cache.layers = [CodecDSALayerCache(latent_format, index_format) if kind == DSA else entry
                     for kind, entry in zip(config.layer_types, cache.layers)]

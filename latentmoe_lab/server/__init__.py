@@ -5,9 +5,12 @@
     errors.py       APIError: an HTTP status + an OpenAI-style error body naming the field
     fields.py       one request field -> a checked value, or a 400 naming it
     protocol.py     request JSON -> checked prompt ids + SamplingParams + the OpenAI options; the chat template
-    detokenizer.py  generated ids -> text, one token at a time, equal to ByteTokenizer.decode of them all
+    chat_template.py  a transformers checkpoint's own chat template, rendered through transformers
+    detokenizer.py  generated ids -> text as they arrive, equal to one decode of them all (bytes, or the
+                    checkpoint's own tokenizer)
     stops.py        stop strings over streamed text (incremental matching, the held-back tail)
-    choices.py      one choice as its tokens arrive: text cut at stops, tokens with logprobs and offsets
+    choices.py      one choice as its tokens arrive: text cut at stops, tokens with logprobs and offsets;
+                    TokenText, the served model's tokenizer (encode, detokenizer, token strings)
     responses.py    the OpenAI response and chunk objects (choices, logprobs, usage)
     prom.py         Prometheus metrics on the service's own registry
     worker.py       EngineWorker: the engine's thread; retries, restarts, requests re-queued by recompute

@@ -32,9 +32,10 @@ class _Choices:
     def __init__(self, shape: Shape):
         parsed = shape.parsed
         self.prompt_of = [p for p, _ in parsed.samples]
-        echoes = [prompt_text(ids, None) if parsed.echo else Released() for ids in parsed.prompts]
+        self.token_text = shape.texts
+        echoes = [prompt_text(ids, None, shape.texts) if parsed.echo else Released() for ids in parsed.prompts]
         self.echo = [echoes[p] for p in self.prompt_of]
-        self.texts = [ChoiceText(parsed.stops, len(echo.text)) for echo in self.echo]
+        self.texts = [ChoiceText(parsed.stops, len(echo.text), shape.texts) for echo in self.echo]
         self.echoed = [not parsed.echo] * len(self.texts)
         self.parsed = parsed
 
@@ -43,7 +44,7 @@ class _Choices:
         out = Released()
         if not self.echoed[index] and (event.prompt_logprobs is not None or self.parsed.logprobs is None):
             ids = self.parsed.prompts[self.prompt_of[index]]
-            out = prompt_text(ids, event.prompt_logprobs) if self.parsed.logprobs is not None \
+            out = prompt_text(ids, event.prompt_logprobs, self.token_text) if self.parsed.logprobs is not None \
                 else Released(self.echo[index].text, list(self.echo[index].tokens))
             self.echoed[index] = True
         _extend(out, self.texts[index].feed(event.token_ids, event.logprobs))

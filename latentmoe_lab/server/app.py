@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from latentmoe_lab.server.answer import collect, stream
+from latentmoe_lab.server.choices import TokenText
 from latentmoe_lab.server.errors import APIError, bad_request
 from latentmoe_lab.server.protocol import parse_request
 from latentmoe_lab.server.responses import Shape
@@ -38,6 +39,7 @@ class AsciiJSONResponse(JSONResponse):
 def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
     config, settings, metrics = worker.config, worker.settings, worker.metrics
     served_model = config.model.name
+    TokenText.of(worker.model)  # the checkpoint's tokenizer and chat template, read before the first request
     app = FastAPI(title="LatentMoE Lab", docs_url=None, redoc_url=None, openapi_url=None,
                   default_response_class=AsciiJSONResponse)
 
@@ -99,10 +101,12 @@ def build_app(worker: EngineWorker, api_key: str | None = None) -> FastAPI:
 
     async def completion(request: Request, kind: str):
         check_key(request)
+        texts = TokenText.of(worker.model)  # the engine's own tokenizer object
         parsed = parse_request(await read_json(request), kind, served_model, worker.model.config.vocab_size,
-                               config.model.max_model_len, settings.default_max_tokens)
+                               config.model.max_model_len, settings.default_max_tokens, texts.encode,
+                               texts.chat_template)
         samples = await Samples(worker, parsed).submit()
-        shape = Shape(parsed, samples.keys[0], served_model)
+        shape = Shape(parsed, samples.keys[0], served_model, texts)
         if parsed.stream:
             return StreamingResponse(stream(samples, shape, request), media_type="text/event-stream")
         return await collect(samples, shape, request)

@@ -11,15 +11,21 @@ completes.
 
 Token strings in logprobs: a byte < 0x80 is its character, a special id its name, a byte >= 0x80 (part of
 a UTF-8 character) "bytes:\\xNN", so that the keys of a completions top_logprobs object never collide.
+
+A checkpoint with its own tokenizer (TokenText over a FileTokenizer) decodes through it (detokenizer.py's
+RunningDetokenizer); a token's string is the text it decodes to alone, and its bytes that text's UTF-8. A token
+that is only part of a character (or decodes to nothing) is "token_id:N", with bytes null (as OpenAI allows),
+so that such tokens' keys never collide either.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from latentmoe_lab.server.detokenizer import IncrementalDetokenizer
+from latentmoe_lab.server.chat_template import CheckpointChatTemplate, chat_template_of
+from latentmoe_lab.server.detokenizer import REPLACEMENT, IncrementalDetokenizer, RunningDetokenizer
 from latentmoe_lab.server.stops import StopMatcher
 from latentmoe_lab.serving.logprobs import TokenLogprob
-from latentmoe_lab.tokenizer import NUM_BYTES, SPECIAL_TOKENS
+from latentmoe_lab.tokenizer import NUM_BYTES, SPECIAL_TOKENS, ByteTokenizer, tokenizer_of
 
 _SPECIAL_NAMES = {token_id: name for name, token_id in SPECIAL_TOKENS.items()}
 
@@ -35,9 +41,57 @@ class Released:
         return bool(self.text or self.tokens)
 
 
+class TokenText:
+    """Ids -> text with the tokenizer the served model came with: tokenizer.tokenizer_of(model), the one object the
+    engine encodes text prompts with; None or a ByteTokenizer (our own checkpoints) keeps the byte rules.
+    chat_template: the checkpoint's own (chat_template.py), None = the plain template of protocol.py."""
+
+    def __init__(self, tokenizer=None, chat_template: CheckpointChatTemplate | None = None):
+        self.tokenizer = None if isinstance(tokenizer, ByteTokenizer) else tokenizer
+        self.chat_template = chat_template
+
+    @classmethod
+    def of(cls, model) -> "TokenText":
+        """The served model's: tokenizer_of(model) and the chat template beside it, each read once and cached. A
+        model of fewer than 256 ids without a tokenizer.json has no byte tokenizer (ValueError); the byte rules
+        still decode the ids it makes."""
+        try:
+            tokenizer = tokenizer_of(model)
+        except ValueError:
+            return BYTES
+        return cls(tokenizer, chat_template_of(tokenizer))
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's text -> its ids (ValueError: an id outside the model's vocabulary)."""
+        return list(text.encode("utf-8")) if self.tokenizer is None else self.tokenizer.encode(text)[0].tolist()
+
+    def detokenizer(self) -> IncrementalDetokenizer | RunningDetokenizer:
+        return IncrementalDetokenizer() if self.tokenizer is None else RunningDetokenizer(self.tokenizer)
+
+    def token_string(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return token_string(token_id)
+        text = self._whole_text(token_id)
+        return f"token_id:{token_id}" if text is None else text
+
+    def token_bytes(self, token_id: int) -> list[int] | None:
+        if self.tokenizer is None:
+            return token_bytes(token_id)
+        text = self._whole_text(token_id)
+        return None if text is None else list(text.encode("utf-8"))
+
+    def _whole_text(self, token_id: int) -> str | None:
+        """The text the token decodes to alone; None when that is nothing or holds part of a character."""
+        text = self.tokenizer.decode([token_id])
+        return None if not text or REPLACEMENT in text else text
+
+
+BYTES = TokenText()
+
+
 class ChoiceText:
-    def __init__(self, stops: tuple[str, ...], offset: int = 0):
-        self._detokenizer, self._stops = IncrementalDetokenizer(), StopMatcher(stops)
+    def __init__(self, stops: tuple[str, ...], offset: int = 0, texts: TokenText = BYTES):
+        self._detokenizer, self._stops = texts.detokenizer(), StopMatcher(stops)
         self._offset = offset  # characters before this choice's text (an echoed prompt)
         self._decoded = 0  # characters detokenized so far
         self._released = 0  # characters released so far
@@ -92,9 +146,9 @@ class ChoiceText:
         return Released(text, out)
 
 
-def prompt_text(prompt_ids: list[int], logprobs: list[TokenLogprob] | None) -> Released:
+def prompt_text(prompt_ids: list[int], logprobs: list[TokenLogprob] | None, texts: TokenText = BYTES) -> Released:
     """The echoed prompt: its text and tokens (the first has no logprob; the others logprobs[i - 1])."""
-    detokenizer, tokens, text = IncrementalDetokenizer(), [], []
+    detokenizer, tokens, text = texts.detokenizer(), [], []
     offset = 0
     for i, token_id in enumerate(prompt_ids):
         logprob = logprobs[i - 1] if logprobs is not None and i > 0 else None

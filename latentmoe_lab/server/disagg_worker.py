@@ -14,6 +14,7 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from latentmoe_lab.checkpoint_checks import resolve_checkpoint_dir
 from latentmoe_lab.server.prom import LATENCY_BUCKETS, PREFIX, ServerMetrics
 from latentmoe_lab.server.settings import ServerSettings
 from latentmoe_lab.serving import ServiceConfig
@@ -74,7 +75,7 @@ class DisaggWorker:
         self.roles = DisaggMetrics(self.metrics)
         self._model_loader, self._faults = model_loader, faults
         self.router: Router | None = None
-        self.model = None  # .config.vocab_size, from the instances (the weights live there)
+        self.model = None  # .config.vocab_size from the instances (the weights live there), .name_or_path
         self.last_stats: dict = {}
         self.transfers: deque[TransferRecord] = deque(maxlen=10_000)  # the latest ones
 
@@ -85,7 +86,10 @@ class DisaggWorker:
     def start(self) -> None:
         self.router = Router(self.config, self._model_loader, self.settings.max_restarts, self._faults,
                              on_transfer=self._transferred).start()
-        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=self.router.vocab_size))
+        # what tokenizer_of reads: the tokenizer files of the checkpoint the instances loaded, as from_pretrained
+        # records them on a colocated model, so both encode and decode text alike (no weights load here)
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=self.router.vocab_size),
+                                     name_or_path=_checkpoint_directory(self.config))
         self._publish()
 
     def stop(self) -> str:
@@ -154,3 +158,9 @@ class DisaggWorker:
         self.last_stats = {name: sum(s.get(name, 0) for s in stats)
                            for name in ("running", "waiting", "held", "blocks_used", "slots_used")}
         self.last_stats["in_flight"] = router.in_flight()
+
+
+def _checkpoint_directory(config: ServiceConfig) -> str | None:
+    """The directory the instances load (model.checkpoint, resolved as from_pretrained resolves it); None: a preset."""
+    checkpoint = config.model.checkpoint
+    return None if checkpoint is None else str(resolve_checkpoint_dir(checkpoint))

@@ -11,7 +11,7 @@
 Why our own handlers: uvicorn installs its SIGINT / SIGTERM handlers for the time it serves, then puts back
 the ones it found and raises the signal again. With Python's default SIGTERM action that re-raise ended the
 process before `finally: worker.stop()` ran, so engine.close() (a parallel engine's processes, the prefix
-cache written to prefix_cache.disk_dir) never happened. Here the handlers found are ours: they record the
+cache written to memory.prefix_cache.disk_dir) never happened. Here the handlers found are ours: they record the
 request and let the code return to the one shutdown. SIGHUP (the terminal closed) stops the server too,
 unless the process started with it ignored (nohup). The parent going away (the server re-parented, e.g.
 its supervisor killed) is polled every PARENT_POLL_S and stops it the same way, again except under nohup.
@@ -171,9 +171,9 @@ def shutdown(stop_worker: Callable[[], str | None], stop: StopRequests) -> None:
 def closed_line(config, written_before: int, stats: dict) -> str:
     """What closing an engine did, for the shutdown line: the prefix-cache bytes written to disk_dir by the
     close (and what the directory holds now), or that there is no disk tier."""
-    disk_dir = config.prefix_cache.disk_dir
+    disk_dir = config.memory.prefix_cache.disk_dir if config.memory.prefix_cache.spills else None
     if disk_dir is None:
-        return "engine closed (no prefix_cache.disk_dir: no prefix cache to keep)"
+        return "engine closed (no memory.prefix_cache.disk_dir: no prefix cache to keep)"
     written = stats.get("spill_bytes_host_to_disk", 0) - written_before
     errors = stats.get("spill_disk_write_errors", 0)
     return (f"engine closed; prefix cache flushed to {disk_dir}: {written:,} bytes written now, "

@@ -15,7 +15,8 @@ PREFIX = "latentmoe"
 # step_failed: engine rebuilt on the same weights; worker_died / worker_hung: weights reloaded too;
 # parallel_worker_lost: a parallel engine replaced its worker processes itself (Engine.stats()["worker_restarts"])
 RESTART_CAUSES = ("step_failed", "worker_died", "worker_hung", "parallel_worker_lost")
-ENGINE_COUNTS = ("preemptions", "prefix_hit_tokens", "worker_restarts", "spec_draft_tokens", "spec_accepted_tokens")
+ENGINE_COUNTS = ("preemptions", "prefix_hit_tokens", "worker_restarts", "spec_draft_tokens", "spec_accepted_tokens",
+                 "prefix_dsa_hit_tokens", "prefix_kda_snapshots_reused", "prefix_tokens_recomputed")
 
 
 class ServerMetrics:
@@ -42,6 +43,14 @@ class ServerMetrics:
         self.preemptions = Counter(f"{p}_preemptions", "sequences preempted (recompute)", registry=r)
         self.prefix_hit_tokens = Counter(f"{p}_prefix_hit_tokens", "prompt tokens served from the prefix cache",
                                          registry=r)
+        # the two kinds of a hybrid hit apart (serving/prefix_hits.py): dsa = hit + recomputed
+        self.prefix_kinds = {
+            "prefix_dsa_hit_tokens": Counter(f"{p}_prefix_dsa_hit_tokens", "prompt tokens whose DSA rows were "
+                                             "found in the prefix cache", registry=r),
+            "prefix_kda_snapshots_reused": Counter(f"{p}_prefix_kda_snapshots_reused", "prefix hits that restored "
+                                                   "a KDA state snapshot", registry=r),
+            "prefix_tokens_recomputed": Counter(f"{p}_prefix_tokens_recomputed", "cached prompt tokens computed "
+                                                "again from the nearest KDA snapshot before them", registry=r)}
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter(f"{p}_generation_tokens", "tokens generated", registry=r)
         self.requests = Counter(f"{p}_requests_finished", "finished requests by finish reason", ["reason"],
@@ -67,8 +76,8 @@ class ServerMetrics:
                                      ["layer", "expert"], registry=r)
         self.eplb_bytes_moved = Counter(f"{p}_eplb_bytes_moved", "expert weight bytes copied by EPLB migrations",
                                         registry=r)
-        # prefix cache spill (serving/cache_tiers/spill.py): Engine.stats() has these keys only with a prefix_cache:
-        # section, and the series appear when it does
+        # prefix cache spill (serving/cache_tiers/spill.py): Engine.stats() has these keys only with a spilling
+        # memory.prefix_cache, and the series appear when it does
         self.prefix_hits = Counter(f"{p}_prefix_hits", "prefix-cache hits by the deepest tier they read "
                                    "(refused: a spilled entry failed its checks and was recomputed)", ["tier"],
                                    registry=r)
@@ -114,7 +123,7 @@ class ServerMetrics:
                     self.expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(
                         total - self._expert_tokens.get(key, 0))
                 self._expert_tokens[key] = total
-        for name, counter in self.spec_counts.items():
+        for name, counter in (self.spec_counts | self.prefix_kinds).items():
             increment = stats.get(name, 0) - self._engine_counts[name]
             if increment > 0:
                 counter.inc(increment)

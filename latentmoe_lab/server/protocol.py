@@ -3,10 +3,12 @@
 Fields taken (the README's table says, per field, what is supported and how); any other is refused by name:
 
     model              str, required: the served name (model.name of the service file)
-    prompt             /v1/completions: a non-empty string (byte tokens) or a list of token ids, or a list of
+    prompt             /v1/completions: a non-empty string (encoded with the model's tokenizer: bytes for our
+                       checkpoints, a checkpoint's own tokenizer.json otherwise) or a list of token ids, or a list of
                        up to MAX_PROMPTS of either (choice index = prompt index * n + sample index)
     messages           /v1/chat/completions: [{"role": "system" | "user" | "assistant", "content": str or
-                       [{"type": "text", "text": str}, ...]}, ...], rendered by CHAT_TEMPLATE below
+                       [{"type": "text", "text": str}, ...]}, ...], rendered by the checkpoint's own chat template
+                       when it ships one (chat_template.py), else by the plain template below
     max_tokens         int >= 1 (completions: 0 with echo, to score the prompt only); chat also takes
                        max_completion_tokens. Absent: the room left under max_model_len, at most
                        server.default_max_tokens. prompt + max_tokens > max_model_len: 400 naming both
@@ -24,7 +26,8 @@ Fields taken (the README's table says, per field, what is supported and how); an
     stream             bool: server-sent events; stream_options {"include_usage": bool}: a last usage chunk
     response_format    {"type": "text"} only;  user  str, ignored
 
-The chat template, one line per turn, then the assistant's cue (a base model, so plain and byte-exact):
+The plain chat template (our checkpoints), one line per turn, then the assistant's cue (a base model, so plain
+and byte-exact):
 
     <|system|>\n{content}\n<|user|>\n{content}\n<|assistant|>\n
 """
@@ -32,7 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
+from latentmoe_lab.server.chat_template import CheckpointChatTemplate
+from latentmoe_lab.server.choices import BYTES
 from latentmoe_lab.server.errors import bad_request
 from latentmoe_lab.server.fields import boolean, integer, json_type, number, text
 from latentmoe_lab.serving import SamplingParams
@@ -92,7 +98,10 @@ def render_chat(messages: list[dict]) -> str:
 
 
 def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model_len: int,
-                  default_max_tokens: int = 256) -> ParsedRequest:
+                  default_max_tokens: int = 256, encode: Callable[[str], list[int]] = BYTES.encode,
+                  chat_template: CheckpointChatTemplate | None = None) -> ParsedRequest:
+    """encode: prompt text -> ids, the served model's tokenizer (choices.TokenText.encode; bytes by default);
+    chat_template: the checkpoint's own (TokenText.chat_template), None = render_chat."""
     if not isinstance(body, dict):
         raise bad_request(f"request body: expected a JSON object, got {json_type(body)}", None, "invalid_type")
     for name in body:
@@ -108,9 +117,10 @@ def parse_request(body, kind: str, served_model: str, vocab_size: int, max_model
         raise bad_request(f"model: unknown model {model[:100]!r}; this server serves {served_model!r}", "model",
                           "model_not_found")
     if kind == "completion":
-        prompts = _prompts(body.get("prompt"), "prompt" in body, vocab_size)
+        prompts = _prompts(body.get("prompt"), "prompt" in body, vocab_size, encode)
     else:
-        prompts = [list(render_chat(_messages(body.get("messages"), "messages" in body)).encode("utf-8"))]
+        prompts = [_encoded(encode, _chat_text(_messages(body.get("messages"), "messages" in body), chat_template),
+                            "messages")]
     field = "prompt" if kind == "completion" else "messages"
     for i, ids in enumerate(prompts):
         if len(ids) >= max_model_len:
@@ -224,7 +234,7 @@ def _include_usage(options, stream: bool) -> bool:
     return boolean(options, "include_usage", False)
 
 
-def _prompts(prompt, given: bool, vocab_size: int) -> list[list[int]]:
+def _prompts(prompt, given: bool, vocab_size: int, encode: Callable[[str], list[int]]) -> list[list[int]]:
     """A prompt (a string or a list of token ids), or a list of them -> the token ids of each."""
     if not given or prompt is None:
         raise bad_request("prompt: required, a string or a list of token ids, or a list of those", "prompt",
@@ -232,15 +242,37 @@ def _prompts(prompt, given: bool, vocab_size: int) -> list[list[int]]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
-        return [_prompt_ids(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]
-    return [_prompt_ids(prompt, "prompt", vocab_size)]
+        return [_prompt_ids(p, f"prompt[{i}]", vocab_size, encode) for i, p in enumerate(prompt)]
+    return [_prompt_ids(prompt, "prompt", vocab_size, encode)]
 
 
-def _prompt_ids(prompt, where: str, vocab_size: int) -> list[int]:
+def _chat_text(messages: list[dict], chat_template: CheckpointChatTemplate | None) -> str:
+    """The prompt text of checked messages; 400 naming messages when the checkpoint's template refuses them."""
+    if chat_template is None:
+        return render_chat(messages)
+    try:
+        return chat_template.render(messages)
+    except ValueError as error:
+        raise bad_request(f"messages: {error}", "messages", "chat_template_error") from None
+
+
+def _encoded(encode: Callable[[str], list[int]], prompt: str, where: str) -> list[int]:
+    """The ids of a prompt's text; 400 naming `where` when the tokenizer refuses it (an id past the vocabulary)."""
+    try:
+        ids = encode(prompt)
+    except ValueError as error:
+        raise bad_request(f"{where}: {error}", where.partition("[")[0]) from None
+    if not ids:
+        raise bad_request(f"{where}: the tokenizer gives no tokens for this text", where.partition("[")[0],
+                          "empty_prompt")
+    return ids
+
+
+def _prompt_ids(prompt, where: str, vocab_size: int, encode: Callable[[str], list[int]]) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request(f"{where}: empty", "prompt", "empty_prompt")
-        return list(text(prompt, where).encode("utf-8"))
+        return _encoded(encode, text(prompt, where), where)
     if not isinstance(prompt, list):
         raise bad_request(f"{where}: expected a string or a list of token ids, got {json_type(prompt)}", "prompt",
                           "invalid_type")

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import time
 
-from latentmoe_lab.server.choices import Released, token_bytes, token_string
+from latentmoe_lab.server.choices import BYTES, Released, TokenText
 from latentmoe_lab.server.protocol import ParsedRequest
 
 
 class Shape:
-    def __init__(self, parsed: ParsedRequest, key: int, model: str):
-        self.parsed, self.kind, self.model = parsed, parsed.kind, model
+    """texts: the served model's tokenizer, which the choices decode with and logprobs name tokens by."""
+
+    def __init__(self, parsed: ParsedRequest, key: int, model: str, texts: TokenText = BYTES):
+        self.parsed, self.kind, self.model, self.texts = parsed, parsed.kind, model, texts
         self.id = f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{key}"
         self.created = int(time.time())
 
@@ -70,19 +72,19 @@ class Shape:
         if self.parsed.logprobs is None:
             return None
         if self.kind == "completion":
-            return {"tokens": [token_string(t) for t, _, _ in released.tokens],
+            return {"tokens": [self.texts.token_string(t) for t, _, _ in released.tokens],
                     "token_logprobs": [None if lp is None else lp.logprob for _, lp, _ in released.tokens],
-                    "top_logprobs": [None if lp is None else _top_object(lp) for _, lp, _ in released.tokens],
+                    "top_logprobs": [None if lp is None else self._top_object(lp) for _, lp, _ in released.tokens],
                     "text_offset": [offset for _, _, offset in released.tokens]}
-        return {"content": [_chat_entry(t, lp.logprob) | {"top_logprobs": [_chat_entry(i, v) for i, v in lp.top]}
+        entry = self._chat_entry
+        return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for t, lp, _ in released.tokens]}
 
+    def _top_object(self, lp) -> dict:
+        top = {self.texts.token_string(i): v for i, v in lp.top}
+        top[self.texts.token_string(lp.token_id)] = lp.logprob
+        return top
 
-def _top_object(lp) -> dict:
-    top = {token_string(i): v for i, v in lp.top}
-    top[token_string(lp.token_id)] = lp.logprob
-    return top
-
-
-def _chat_entry(token_id: int, logprob: float) -> dict:
-    return {"token": token_string(token_id), "logprob": logprob, "bytes": token_bytes(token_id)}
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.texts.token_string(token_id), "logprob": logprob,
+                "bytes": self.texts.token_bytes(token_id)}

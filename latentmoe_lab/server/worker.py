@@ -111,7 +111,7 @@ class EngineWorker:
         if self.engine is None:
             return "no engine was running"
         written = self.engine.stats().get("spill_bytes_host_to_disk", 0)
-        self.engine.close()  # a parallel engine's worker processes; the prefix cache to prefix_cache.disk_dir
+        self.engine.close()  # a parallel engine's worker processes; the prefix cache to its disk_dir
         return closed_line(self.config, written, self.engine.stats())
 
     def alive(self) -> bool:

@@ -5,7 +5,8 @@ The core, at the top (read in this order; nano-vllm's roles):
     config.py          ServiceConfig: the YAML service file (§6.1); each feature's section lives with the feature
     planner.py         a byte budget -> blocks and slots, every cache counted (§6.2); service_plan.py per device,
                        and the checks of a loaded file (load_service_config); host_limits.py what this host holds
-    block_manager.py   refcounted blocks, KDA slots, the hash-chained prefix cache with snapshots (§6.3, §6.5)
+    block_manager.py   refcounted blocks, KDA slots, the hash-chained prefix cache with snapshots (§6.3, §6.5);
+                       prefix_hits.py a hit at any block boundary: DSA rows, the nearest snapshot, the tail
     sequence.py        one request's tokens, holdings and clock readings
     scheduler.py       what runs in a step: decodes, prefill chunks, admissions, preemption (§6.5)
     model_runner.py    a scheduled batch -> ForwardBatch -> logits (§6.4); it owns the pools (read/write rows)

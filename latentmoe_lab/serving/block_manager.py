@@ -13,9 +13,11 @@ content hashes of the images whose placeholders it holds), so equal hashes mean 
 that finished computing is registered under its hash. When its sequence ends, it keeps its contents but
 drops to refcount 0 and joins an LRU list: a later request with the same prefix takes it back; a request
 that needs room evicts it. DSA blocks alone are not enough to resume a hybrid model: the KDA state at
-that length is needed too, so a hit is the longest registered chain whose LAST block has a snapshot
-(both at the same length). Snapshots are copied, never shared, so any of them may be evicted at any time
-(LRU); evicting a block also drops its snapshot.
+that length is needed too. cached_chain_length finds the DSA hit (the longest registered chain) and
+match_prefix the part of it a sequence resumes from: the longest registered chain whose LAST block has a
+snapshot (both at the same length); serving/prefix_hits.py recomputes the tail between them. Snapshots
+are copied, never shared, so any of them may be evicted at any time (LRU); evicting a block also drops
+its snapshot.
 
 Accounting: blocks_used counts blocks with refcount > 0 and slots_used running slots taken; both return
 to 0 once every request has ended, while cached blocks and snapshots stay for later hits.
@@ -123,29 +125,34 @@ class BlockManager:
 
     # ------------------------------------------------------------ prefix cache
     def match_prefix(self, block_hashes: list[bytes]) -> tuple[list[int], int | None]:
-        """Longest usable hit for a sequence whose first full blocks have these hashes.
+        """Longest usable hit for a sequence whose first full blocks have these hashes: the longest registered
+        chain whose last block has a snapshot, the snapshot nearest at or before the DSA hit.
 
         Returns (blocks, snapshot_row): the shared blocks, now referenced by the caller, and the pool row
         of the KDA snapshot at their end (copy it into the sequence's slot); ([], None) on a miss.
         """
-        if not self.enable_prefix_caching:
-            return [], None
-        chain = []
-        for block_hash in block_hashes:
-            block = self.block_of_hash.get(block_hash)
-            if block is None:
-                break
-            chain.append(block)
-        hit = max((i + 1 for i in range(len(chain)) if block_hashes[i] in self.snapshot_of_hash), default=0)
+        chain = self.cached_chain_length(block_hashes)
+        hit = max((i + 1 for i in range(chain) if block_hashes[i] in self.snapshot_of_hash), default=0)
         if hit == 0:
             return [], None
-        for block in chain[:hit]:
+        blocks = [self.block_of_hash[block_hash] for block_hash in block_hashes[:hit]]
+        for block in blocks:
             if self.ref_count[block] == 0:
                 del self.evictable[block]
             self.ref_count[block] += 1
         row = self.snapshot_of_hash[block_hashes[hit - 1]]
         self.snapshot_of_hash.move_to_end(block_hashes[hit - 1])
-        return chain[:hit], row
+        return blocks, row
+
+    def cached_chain_length(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of this chain are registered: the DSA hit, in blocks (no snapshot asked for,
+        nothing referenced); 0 with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return 0
+        length = 0
+        while length < len(block_hashes) and block_hashes[length] in self.block_of_hash:
+            length += 1
+        return length
 
     def register_block(self, block_hash: bytes, block: int) -> None:
         """Name a computed full block by its hash (a block already cached under that hash keeps the name)."""

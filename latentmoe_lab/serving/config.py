@@ -31,6 +31,10 @@ Six sections, the keys of the public example first, then ours where the example 
                                    instances it starts from the disaggregation: section)
     memory:
       kv_cache_dtype        str    auto (= model dtype) | fp32 | bf16 | fp16 | fp8: the MLA latent pool
+      index_key_dtype       str    ours: auto (the indexer keys in kv_cache_dtype's format) | int4 | fp4: 4-bit keys,
+                                   fp16 scales per 32 channels (quant/kv_index4.py; not with disaggregation: or a
+                                   prefix_cache spill tier, whose row transfers know the other layouts only)
+      state_dtype           str    ours: fp32 | bf16 | int8 (error feedback): KDA state, conv tail (quant/kda_state.py)
       gpu_memory_utilization float in (0, 1]: share of device memory for weights + caches (plan-service)
       enable_paged_attention bool  must be true: the engine has only the paged path
       max_num_seqs          int    sequences holding cache at once = KDA state slots
@@ -39,13 +43,15 @@ Six sections, the keys of the public example first, then ours where the example 
                                    the host's available memory over all ranks. Left out, an Engine on a
                                    CPU takes 10% of the available memory, at most 4 GiB, split over the
                                    ranks (serving/host_limits.py; logged, and shown by plan-service)
-      enable_prefix_caching bool   ours: hash-chained block sharing + KDA state snapshots (default false)
-      prefix_snapshot_slots int    ours: KDA snapshot slots for prefix caching (default max_num_seqs when on, else 0)
       device                str    ours: hardware of plan-service, a key of parallel.hardware.HARDWARE
                                    (default H200-141GB)
-      offload               map    ours: DSA latent rows in a host tier, top-k rows swapped into a device
-                                   hot buffer per sequence (host_cache_bytes, hot_rows_per_layer; absent:
-                                   off; serving/cache_tiers/offload_section.py lists the keys, docs/design.md §15.1)
+      prefix_cache          map    ours: prefix caching, hash-chained block sharing + KDA state snapshots,
+                                   and the host / disk tiers evicted blocks spill to (enabled, snapshot_slots,
+                                   host_bytes, disk_dir, disk_bytes; docs/design.md §6.5, §15.3)
+      offload               map    ours: DSA latent rows in a host tier, top-k rows swapped into a device hot
+                                   buffer per sequence (enabled, host_cache_bytes, hot_rows_per_layer; §15.1)
+                                   Both: absent or null: off; a mapping: on unless `enabled: false`;
+                                   serving/cache_tiers/cache_section.py lists the keys and the deprecated ones
     scheduler:
       max_batch_size        int    the queue's capacity: requests held, waiting + running; past it a request is
                                    refused ("queue full"). Not a batch size: memory.max_num_seqs bounds a step's
@@ -68,7 +74,8 @@ Six sections, the keys of the public example first, then ours where the example 
       window_steps          int    steps of routed-token counts the balancer (and /metrics) looks at (32)
       rebalance_interval_steps int a new placement every this many steps (64)
       layers_per_step       int    MoE layers whose slots migrate with one step (1)
-    speculative:                   speculative decoding (docs/design.md §12; absent or empty: off)
+    speculative:                   speculative decoding (docs/design.md §12; absent, empty or no method: off)
+      enabled               bool   ours: false keeps the section but turns it off (default true)
       method                str    ngram (prompt lookup in the request's own tokens) | mtp (the model's MTP
                                    head, config.mtp_depth > 0, checked when the engine starts)
       num_speculative_tokens int   K, draft tokens per step and sequence, 1..8 (required with method)
@@ -81,13 +88,12 @@ Six sections, the keys of the public example first, then ours where the example 
       max_context           int    no drafts for a sequence longer than this many tokens, >= 1 (no limit)
     disaggregation:                ours: prefill/decode disaggregation (serving/disagg/, docs/design.md §13;
                                    absent: one colocated engine)
+      enabled               bool   false keeps the section but serves colocated (default true)
       prefill_instances     int    prefill instance processes, >= 1
       decode_instances      int    decode instance processes, >= 1
       transport             str    pipe: a Unix socket pair per instance, through the router (loopback only)
       prefill, decode       map    per-role overrides of model / parallel / memory / scheduler keys
                                    ({memory: {cache_bytes: ...}}); weights and cache dtype must agree
-    prefix_cache:                  ours: evicted prefix-cache blocks spill to host and disk (absent: off;
-                                   serving/cache_tiers/spill_section.py lists the keys, docs/design.md §15.3)
 
 A file is read by latentmoe_lab/yaml_loader.py (no anchors, aliases, tags or duplicate keys; ints are
 plain decimals; errors name the file, line and column). A section may be left empty (`memory:` alone:
@@ -107,14 +113,16 @@ from typing import Any
 
 from latentmoe_lab.config_fields import (check, check_choice, check_field_types, check_positive_int, describe,
                                          key_name, section_from_dict)
-from latentmoe_lab.serving.cache_tiers.offload_section import OffloadSection, offload_section
-from latentmoe_lab.serving.cache_tiers.spill_section import PrefixCacheSection, check_prefix_cache
+from latentmoe_lab.serving.cache_tiers.cache_section import (OffloadSection, PrefixCacheSection, cache_section,
+                                                             check_spill_snapshots, upgrade_cache_keys)
 from latentmoe_lab.serving.disagg.section import DisaggregationSection, check_disaggregation
 from latentmoe_lab.serving.spec.section import SpeculativeSection, check_speculative
 from latentmoe_lab.yaml_loader import errors_name_file, file_label, read_yaml_file
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
+INDEX_KEY_DTYPES = ("auto", "int4", "fp4")  # quant/kv.py's (tests/test_index_keys.py checks they agree)
+STATE_DTYPES = ("fp32", "bf16", "int8")  # quant/kda_state.py's (tests/test_state_dtype.py checks they agree)
 LAYOUT_KEYS = {"tp": "tensor_parallel_size", "ep": "expert_parallel_size", "pp": "pipeline_parallel_size"}
 MIN_MODEL_LEN = 2  # one prompt token and one generated token
 MIN_GROUP_TIMEOUT_S = 0.1  # shorter, and a worker group cannot even form (gloo's rendezvous takes longer)
@@ -148,25 +156,28 @@ class ParallelSection:
 @dataclass
 class MemorySection:
     kv_cache_dtype: str = "auto"
+    index_key_dtype: str = "auto"
+    state_dtype: str = "fp32"
     gpu_memory_utilization: float = 0.9
     enable_paged_attention: bool = True
     max_num_seqs: int = 16
     block_size: int = 64
     cache_bytes: int | None = None
-    enable_prefix_caching: bool = False
-    prefix_snapshot_slots: int | None = None
     device: str = "H200-141GB"
-    offload: OffloadSection | None = None  # DSA latent rows in a host tier (serving/cache_tiers/offload_section.py)
+    # the cache tiers: a mapping from the file, a section or None -> a checked section (None -> one with enabled
+    # false; serving/cache_tiers/cache_section.py)
+    prefix_cache: PrefixCacheSection | None = None
+    offload: OffloadSection | None = None
 
     def __post_init__(self) -> None:
-        self.offload = offload_section(self.offload)  # a mapping from the file -> a checked OffloadSection
+        self.prefix_cache = cache_section(PrefixCacheSection, self.prefix_cache)
+        self.offload = cache_section(OffloadSection, self.offload)
 
     @property
     def snapshot_slots(self) -> int:
-        """KDA snapshot slots the pools hold besides the max_num_seqs running slots."""
-        if not self.enable_prefix_caching:
-            return 0
-        return self.max_num_seqs if self.prefix_snapshot_slots is None else self.prefix_snapshot_slots
+        """KDA snapshot slots the pools hold besides the max_num_seqs running slots (0 without prefix caching)."""
+        slots = self.prefix_cache.snapshot_slots
+        return 0 if not self.prefix_cache.enabled else self.max_num_seqs if slots is None else slots
 
 
 @dataclass
@@ -190,7 +201,7 @@ class EplbSection:
 
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "memory": MemorySection,
             "scheduler": SchedulerSection, "eplb": EplbSection, "speculative": SpeculativeSection,
-            "prefix_cache": PrefixCacheSection, "disaggregation": DisaggregationSection}
+            "disaggregation": DisaggregationSection}
 OUTER_SECTIONS = ("server",)  # the HTTP service's section of a service file: server/settings.py checks it
 
 
@@ -203,12 +214,12 @@ class ServiceConfig:
     eplb: EplbSection = field(default_factory=EplbSection)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     disaggregation: DisaggregationSection = field(default_factory=DisaggregationSection)
-    prefix_cache: PrefixCacheSection = field(default_factory=PrefixCacheSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServiceConfig":
         if not isinstance(data, dict):
             raise ValueError(f"service config: expected a mapping of sections, got {describe(data)}")
+        data = upgrade_cache_keys(data)  # the deprecated cache keys, moved with a FutureWarning each
         unknown = sorted(str(key) for key in set(data) - set(SECTIONS))
         if unknown:
             raise ValueError(f"{key_name(unknown[0])}: unknown section; expected some of {list(SECTIONS)}")
@@ -259,6 +270,11 @@ class ServiceConfig:
         check(MIN_GROUP_TIMEOUT_S <= p.group_timeout_s <= 3600, "parallel.group_timeout_s",
               f"must be a number of seconds in [{MIN_GROUP_TIMEOUT_S}, 3600], got {describe(p.group_timeout_s)}")
         check_choice("memory.kv_cache_dtype", mem.kv_cache_dtype, CACHE_DTYPES)
+        check_choice("memory.index_key_dtype", mem.index_key_dtype, INDEX_KEY_DTYPES)
+        check_choice("memory.state_dtype", mem.state_dtype, STATE_DTYPES)
+        check(mem.index_key_dtype == "auto" or not (self.disaggregation.enabled or mem.prefix_cache.spills),
+              "memory.index_key_dtype", "must be auto with disaggregation: or a memory.prefix_cache spill tier "
+              "(host_bytes, disk_dir): their row transfers know the fp8 / int8 / plain layouts only")
         check(0 < mem.gpu_memory_utilization <= 1, "memory.gpu_memory_utilization",
               f"must be a number in (0, 1], got {describe(mem.gpu_memory_utilization)}")
         check(mem.enable_paged_attention, "memory.enable_paged_attention",
@@ -267,11 +283,7 @@ class ServiceConfig:
         check_positive_int("memory.block_size", mem.block_size)
         if mem.cache_bytes is not None:
             check_positive_int("memory.cache_bytes", mem.cache_bytes)
-        if mem.prefix_snapshot_slots is not None:
-            check(mem.prefix_snapshot_slots >= 0, "memory.prefix_snapshot_slots",
-                  f"must be an integer >= 0, got {describe(mem.prefix_snapshot_slots)}")
-            check(mem.enable_prefix_caching or mem.prefix_snapshot_slots == 0, "memory.prefix_snapshot_slots",
-                  "snapshots serve prefix caching only: set memory.enable_prefix_caching true or leave this out")
+        check_spill_snapshots(mem)
         from latentmoe_lab.parallel.hardware import HARDWARE
 
         check_choice("memory.device", mem.device, tuple(HARDWARE))
@@ -295,7 +307,6 @@ class ServiceConfig:
               "needs parallel.expert_parallel_size > 1 (it balances experts over EP ranks)")
         check_speculative(self.speculative)
         check_disaggregation(self)
-        check_prefix_cache(self.prefix_cache, mem)
         check(s.max_batch_size >= mem.max_num_seqs, "scheduler.max_batch_size",
               f"({s.max_batch_size}) must be >= memory.max_num_seqs ({mem.max_num_seqs}): the engine holds "
               f"every running sequence")

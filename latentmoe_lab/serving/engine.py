@@ -49,6 +49,7 @@ from latentmoe_lab.serving.planner import check_model_fits, plan_cache, with_cac
 from latentmoe_lab.serving.sampling import SamplingParams
 from latentmoe_lab.serving.scheduler import Scheduler
 from latentmoe_lab.serving.sequence import Sequence, Status
+from latentmoe_lab.serving.spec.hidden_rows import SlotHiddenRows, slot_copier
 from latentmoe_lab.serving.spec.setup import make_drafter
 from latentmoe_lab.serving.spec.speculator import Speculator, spec_stats
 from latentmoe_lab.serving.step_sampling import sample_step
@@ -89,13 +90,13 @@ class Engine:
         check_model_fits(model, cfg)
         drafter = make_drafter(cfg.speculative, model)  # before anything is allocated
         self.speculator = None if drafter is None else Speculator(drafter, cfg.speculative)  # spec/speculator.py
-        # the MTP drafter reads every new token's hidden state: the runner asks the forward for those rows
-        return_hidden = self.speculator is not None and self.speculator.needs_hidden
+        # with an MTP head the forward returns every new token's hidden state (the drafter's input, each slot's row)
+        return_hidden = model.config.mtp_depth > 0
         # a worker rank's pools hold its pipeline stage's layers with its local KDA heads: plan each stage's
         # share (one block count for all); self.plan is stage 0's
         self.stages = None if layout is None else plan_stages(self.model_config, cfg, layout)
         self.plan = plan_cache(self.model_config, cfg) if layout is None else self.stages[0].plan
-        # with a prefix_cache: spill (its rows read and written through the runner, connected below)
+        # with a memory.prefix_cache spill (its rows read and written through the runner, connected below)
         self.block_manager = block_manager_for(model, cfg, self.plan)
         self.log = MetricsLog(cfg.scheduler.max_log_records)
         self._sequences: dict[int, Sequence] = {}  # unfinished requests by id (sequence())
@@ -119,9 +120,10 @@ class Engine:
                        if layout is None
                        else ParallelRunner(model, self.stages, layout, worker_threads(cfg.parallel, layout),
                                            self.balancer, self.expert_load, return_hidden))
-        connect_runner(self.block_manager, self.runner)
+        self.slot_hidden = SlotHiddenRows.for_engine(model, self.plan, device)  # spec/hidden_rows.py
+        connect_runner(self.block_manager, self.runner, self.slot_hidden)
         self.scheduler = Scheduler(self.block_manager, cfg.memory.max_num_seqs, cfg.scheduler.prefill_chunk_size,
-                                   cfg.scheduler.chunked_prefill, self.runner.copy_slot, grid,
+                                   cfg.scheduler.chunked_prefill, slot_copier(self.runner, self.slot_hidden), grid,
                                    spec_tokens=0 if self.speculator is None else self.speculator.k,
                                    forget=None if self.speculator is None else self.speculator.forget)
 
@@ -226,6 +228,8 @@ class Engine:
         self._tokens["decode"] += decode
         # a verify step's real tokens: its last token and the accepted drafts (one per emitted token)
         committed = [len(sampled.get(seq.request_id, ())) if seq.verify_slots else n for seq, n in batch.entries]
+        if self.slot_hidden is not None:  # each slot's last row, before finish_step snapshots slots
+            self.slot_hidden.record(batch.entries, getattr(output, "hidden", None), self.speculator)
         self.scheduler.finish_step(batch, sampled)
         if self.speculator is not None:
             self.speculator.after_step(batch.entries, committed, getattr(output, "hidden", None))
@@ -374,6 +378,7 @@ class Engine:
                 "blocks_used": bm.blocks_used, "slots_used": bm.slots_used, "num_blocks": bm.num_blocks,
                 "num_slots": bm.num_slots, "cached_blocks": bm.cached_blocks, "snapshots": bm.snapshots_held,
                 "preemptions": self.scheduler.num_preemptions, "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+                **self.scheduler.prefix_hits.stats(),  # per kind: DSA rows found, snapshots, tails recomputed
                 "prefill_tokens": self._tokens["prefill"], "decode_tokens": self._tokens["decode"],
                 **self.runner.worker_stats(),  # restarts, and per worker rank (none when the forward runs here)
                 **spec_stats(self.speculator),  # speculative decoding: drafts verified, accepted, per position

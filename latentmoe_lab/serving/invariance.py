@@ -45,7 +45,7 @@ def batch_invariant_grid(model, cfg: ServiceConfig, runs_here: bool, device) -> 
         raise ValueError(f"scheduler.prefill_chunk_size: ({cfg.scheduler.prefill_chunk_size}) must be >= "
                          f"{2 * grid} with {key} (two of the model's chunk grid of {grid}, so that half a "
                          f"budget still reaches a grid point)")
-    if cfg.memory.enable_prefix_caching and cfg.memory.block_size % grid:
+    if cfg.memory.prefix_cache.enabled and cfg.memory.block_size % grid:
         raise ValueError(f"memory.block_size: ({cfg.memory.block_size}) must be a multiple of the model's "
                          f"chunk grid ({grid}) with {key} and prefix caching (a hit resumes at a block boundary)")
     check_row_invariance(next(model.parameters()).dtype)

@@ -3,9 +3,11 @@ One engine's caches; service_plan.py plans each device of a deployment with it, 
 layouts of training and inference (weights, activations), without a cache plan.
 
     per block (block_size tokens, every DSA layer)   MLA latent + rope key, indexer key (+ its scale in fp8)
-    per slot  (every KDA layer)                      fp32 state [H, d_k, d_v] + conv tail [channels, kernel - 1]
+    per slot  (every KDA layer)                      state [H, d_k, d_v] + conv tail [channels, kernel - 1] in
+                                                     memory.state_dtype's formats (slot_formats; fp32 + model dtype)
+              (a model with an MTP head)             + the hidden row of the slot's last position (mtp_row_bytes)
     slots = memory.max_num_seqs running (times K + 1 with speculative decoding: a state slot per verified
-            token, docs/design.md §12) + memory.prefix_snapshot_slots snapshots (prefix caching)
+            token, docs/design.md §12) + memory.prefix_cache.snapshot_slots snapshots (prefix caching)
     blocks = (budget - slots * per_slot) // per_block
 
 The bytes come from paged_pool_bytes, the function PagedPools' allocation is checked against, so the plan
@@ -24,6 +26,7 @@ import torch
 from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.paged_pools import PagedPools, paged_pool_bytes
+from latentmoe_lab.quant.kda_state import kda_slot_formats
 from latentmoe_lab.quant.kv import kv_formats
 from latentmoe_lab.serving.cache_tiers.offload_tier import OffloadedPools
 from latentmoe_lab.serving.config import ServiceConfig
@@ -44,7 +47,9 @@ class CachePlan:
     index_format: object
     budget: int
     block_bytes: int  # device bytes per block (with memory.offload: the index keys only)
-    slot_bytes: int
+    slot_bytes: int  # every KDA layer's state + conv tail, and the MTP hidden row (mtp_row_bytes)
+    state_format: object  # KDA states and conv tails (slot_formats: memory.state_dtype)
+    conv_format: object
     hot_rows: int = 0  # memory.offload: device rows per running slot and DSA layer; 0: no host tier
     hot_bytes: int = 0  # every hot buffer (plan_offloaded)
     host_block_bytes: int = 0  # host-tier bytes per block (every DSA layer's latent rows)
@@ -57,13 +62,14 @@ class CachePlan:
     def bytes_by_kind(self) -> dict[str, int]:
         """paged_pool_bytes of this plan, with the snapshot rows' share of the KDA pools split out (with a
         host tier: the latent rows there, the hot buffers on the device)."""
-        kinds = paged_pool_bytes(self.config, self.num_blocks, self.block_size, self.pool_rows,
-                                 self.dtype, self.latent_format, self.index_format)
+        kinds = paged_pool_bytes(self.config, self.num_blocks, self.block_size, self.pool_rows, self.dtype,
+                                 self.latent_format, self.index_format, self.state_format, self.conv_format)
         if self.hot_rows:
             kinds = {"dsa_hot_buffers": self.hot_bytes} | kinds
             kinds["host tier: dsa_latent (not in total)"] = kinds.pop("dsa_latent")
+        hidden = self.pool_rows * mtp_row_bytes(self.config, self.dtype)
         snapshots = self.num_snapshots * self.slot_bytes
-        return kinds | {"kda_snapshots (included above)": snapshots}
+        return kinds | ({"mtp_hidden_rows": hidden} if hidden else {}) | {"kda_snapshots (included above)": snapshots}
 
     @property
     def total_bytes(self) -> int:
@@ -88,14 +94,23 @@ class CachePlan:
 
 
 def cache_formats(config: ModelConfig, service: ServiceConfig) -> tuple[torch.dtype, object, object]:
-    """(compute dtype of the conv tails, latent format, index format) for the service's kv_cache_dtype.
+    """(compute dtype of the conv tails, latent format, index format) for the service's kv_cache_dtype and
+    index_key_dtype.
 
     fp8 / int8 are the codecs of latentmoe_lab.quant (docs/design.md §7: 656 + 132 bytes per token and DSA
-    layer at full scale, index keys block-planar); the others store values as they are.
+    layer at full scale, index keys block-planar); the others store values as they are. index_key_dtype int4 /
+    fp4 stores the index keys in 4 bits whatever kv_cache_dtype is (72 bytes per token at full scale).
     """
     compute_name = "bf16" if service.model.dtype == "fp8" else service.model.dtype
-    latent_format, index_format = kv_formats(config, service.cache_dtype, compute_name)
+    latent_format, index_format = kv_formats(config, service.cache_dtype, compute_name,
+                                             service.memory.index_key_dtype)
     return TORCH_DTYPES[compute_name], latent_format, index_format
+
+
+def slot_formats(config: ModelConfig, service: ServiceConfig) -> tuple[object, object]:
+    """(state_format, conv_format) of the KDA slots for memory.state_dtype (quant/kda_state.py)."""
+    return kda_slot_formats(service.memory.state_dtype, cache_formats(config, service)[0], config.kda.head_dim_k,
+                            config.kda.head_dim_v)
 
 
 def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None = None) -> CachePlan:
@@ -109,10 +124,10 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
     block_bytes, slot_bytes = pools_bytes(config, service, 1, 0), pools_bytes(config, service, 0, 1)
     rows = running_slots(service) + mem.snapshot_slots
     if rows * slot_bytes > budget:
-        raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots "
-                         f"(max_num_seqs (x K + 1 speculating) + prefix_snapshot_slots) of {slot_bytes} bytes each")
+        raise ValueError(f"memory.cache_bytes: {budget} bytes cannot hold the {rows} KDA slots (max_num_seqs "
+                         f"(x K + 1 speculating) + prefix_cache.snapshot_slots) of {slot_bytes} bytes each")
     per_sequence = -(-service.model.max_model_len // mem.block_size)
-    if mem.offload is not None:  # the latent rows in a host tier (docs/design.md §15.1)
+    if mem.offload.enabled:  # the latent rows in a host tier (docs/design.md §15.1)
         return plan_offloaded(config, service, budget, running_slots(service), slot_bytes)
     if block_bytes == 0:  # a model without DSA layers: blocks cost nothing, give every slot a full sequence
         num_blocks = per_sequence * mem.max_num_seqs
@@ -123,7 +138,7 @@ def plan_cache(config: ModelConfig, service: ServiceConfig, budget: int | None =
                          f"after the KDA slots, fewer than one model.max_model_len sequence needs "
                          f"({per_sequence} blocks for {service.model.max_model_len} tokens)")
     return CachePlan(config, num_blocks, mem.block_size, running_slots(service), mem.snapshot_slots, dtype,
-                     latent_format, index_format, budget, block_bytes, slot_bytes)
+                     latent_format, index_format, budget, block_bytes, slot_bytes, *slot_formats(config, service))
 
 
 def plan_offloaded(config: ModelConfig, service: ServiceConfig, budget: int, running: int,
@@ -163,7 +178,8 @@ def plan_offloaded(config: ModelConfig, service: ServiceConfig, budget: int, run
                          f"KDA slots and hot buffers, fewer than one model.max_model_len sequence needs "
                          f"({per_sequence} blocks for {service.model.max_model_len} tokens)")
     return CachePlan(config, min(device_blocks, host_blocks), mem.block_size, running, mem.snapshot_slots, dtype,
-                     latent_format, index_format, budget, device_block, slot_bytes, hot_rows=hot_rows,
+                     latent_format, index_format, budget, device_block, slot_bytes,
+                     *slot_formats(config, service), hot_rows=hot_rows,
                      hot_bytes=hot_bytes, host_block_bytes=host_block, host_budget=offload.host_cache_bytes)
 
 
@@ -175,10 +191,20 @@ def running_slots(service: ServiceConfig) -> int:
 
 
 def pools_bytes(config: ModelConfig, service: ServiceConfig, num_blocks: int, num_slots: int) -> int:
-    """Bytes of every pool for `num_blocks` blocks and `num_slots` KDA rows in the service's formats."""
+    """Bytes of every pool for `num_blocks` blocks and `num_slots` KDA rows in the service's formats, with the
+    MTP hidden row of each KDA row."""
     dtype, latent_format, index_format = cache_formats(config, service)
     return sum(paged_pool_bytes(config, num_blocks, service.memory.block_size, num_slots, dtype, latent_format,
-                                index_format).values())
+                                index_format, *slot_formats(config, service)).values()) \
+        + num_slots * mtp_row_bytes(config, dtype)
+
+
+def mtp_row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the hidden row kept beside each KDA slot row of a model with an MTP head (hidden_size values in
+    the compute dtype; serving/spec/hidden_rows.py): where a prefix hit, a spill restore or a transfer resumes a
+    request, its MTP drafter starts from it. 0 without a head. A pipeline stage's config has none (the rows
+    stay in the engine's process, workers/pipeline_stage.stage_config)."""
+    return config.hidden_size * torch.empty((), dtype=dtype).element_size() if config.mtp_depth > 0 else 0
 
 
 def default_cache_budget(config: ModelConfig, service: ServiceConfig) -> tuple[int, str]:
@@ -188,7 +214,7 @@ def default_cache_budget(config: ModelConfig, service: ServiceConfig) -> tuple[i
     from latentmoe_lab.serving.host_limits import default_cache_bytes
 
     budget, how = default_cache_bytes(service)
-    if not service.memory.enable_prefix_caching:
+    if not service.memory.prefix_cache.enabled:
         mem = service.memory
         blocks = mem.max_num_seqs * -(-service.model.max_model_len // mem.block_size)
         full = pools_bytes(config, service, blocks, running_slots(service) + mem.snapshot_slots)
@@ -225,6 +251,7 @@ def allocate_pools(config: ModelConfig, plan: CachePlan, device=None) -> PagedPo
     latent rows on the host, when the plan has a host tier)."""
     if plan.hot_rows:
         return OffloadedPools(config, plan.num_blocks, plan.block_size, plan.pool_rows, plan.hot_rows,
-                              plan.num_slots, plan.dtype, device, plan.latent_format, plan.index_format)
+                              plan.num_slots, plan.dtype, device, plan.latent_format, plan.index_format,
+                              state_format=plan.state_format, conv_format=plan.conv_format)
     return PagedPools(config, plan.num_blocks, plan.block_size, plan.pool_rows, plan.dtype, device,
-                      plan.latent_format, plan.index_format)
+                      plan.latent_format, plan.index_format, plan.state_format, plan.conv_format)

@@ -16,6 +16,9 @@ and conv tail wait in the pools for the next chunk, and its DSA blocks keep the 
 
 Prefix caching: a chunk that would end past a block boundary ends AT the last boundary it crosses, so
 that a KDA snapshot can be taken there (a prompt's tail shorter than a block then runs one step later).
+A hit may end at any block boundary (serving/prefix_hits.py): the DSA rows are cached up to h, the KDA
+snapshot nearest before it is at s; the sequence resumes at s, recomputes [s, h) into blocks of its own,
+and ends a chunk AT h so that the next request with that prefix finds a snapshot there.
 
 Batch-invariant serving (scheduler.batch_invariant, chunk_grid > 1): a chunk that stops short of the
 prompt's end ends on a multiple of chunk_grid, the model's KDA chunk and DSA query block, so every
@@ -52,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from latentmoe_lab.serving.block_manager import BlockManager
+from latentmoe_lab.serving.prefix_hits import PrefixHit, PrefixHits, find_prefix_hit
 from latentmoe_lab.serving.sequence import Sequence, Status
 from latentmoe_lab.serving.spec.slots import (acquire_slots, drop_rejected_blocks, keep_slot_of, release_slots,
                                               start_verify, state_slot_after)
@@ -102,6 +106,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first, so the newest is preempted
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.prefix_hits = PrefixHits(self.block_size)  # per-kind hit counts, cuts at DSA hits
         self._next_group = 0  # isolation group ids, never reused
         self._last_cohort: int | None = None  # the cohort of the last step: the next one takes its turn
 
@@ -197,10 +202,8 @@ class Scheduler:
         if not self.chunked_prefill:
             return left if left <= budget or first_prefill else 0
         n = min(left, budget)
-        if self.blocks.enable_prefix_caching:
-            boundary = (seq.num_computed + n) // self.block_size * self.block_size
-            if boundary > seq.num_computed:
-                n = boundary - seq.num_computed
+        if self.blocks.enable_prefix_caching:  # end where a KDA snapshot is worth taking
+            n = self.prefix_hits.chunk_end(seq, seq.num_computed + n) - seq.num_computed
         return self._on_grid(seq, n)
 
     def _on_grid(self, seq: Sequence, n: int) -> int:
@@ -242,16 +245,17 @@ class Scheduler:
         seq.slot, seq.spare_slots = slots[0], slots[1:]
         slot = seq.slot
         # at least one token must run to produce logits, so the last token never comes from the cache
-        hit_blocks, snapshot_row = [], None
+        hit = PrefixHit()
         if self.blocks.enable_prefix_caching and not seq.needs_prompt_logits:  # those positions must run
             full_blocks = (seq.num_tokens - 1 - self._holds_last(seq)) // self.block_size
-            hit_blocks, snapshot_row = self.blocks.match_prefix(seq.block_hashes(full_blocks, self.block_size))
-        hit_tokens = len(hit_blocks) * self.block_size
-        if hit_blocks:
-            self.copy_slot(snapshot_row, slot)
-            seq.block_table = list(hit_blocks)
-            seq.num_registered = len(hit_blocks)
-            seq.num_computed = hit_tokens
+            hit = find_prefix_hit(self.blocks, seq.block_hashes(full_blocks, self.block_size))
+        if hit.blocks:  # resume at the snapshot; a tail up to the DSA hit runs like prompt tokens
+            self.copy_slot(hit.snapshot_row, slot)
+            seq.block_table = list(hit.blocks)
+            seq.num_registered = len(hit.blocks)
+            seq.num_computed = hit.kda_tokens
+        if self.chunked_prefill:
+            self.prefix_hits.expect(seq, hit)
         n = self._chunk_length(seq, budget, first_prefill)
         if n > 0 and not self.chunked_prefill and self._blocks_needed(seq, n) > self.blocks.num_free_blocks:
             n = 0
@@ -264,8 +268,9 @@ class Scheduler:
             return 0
         seq.block_table += self.blocks.allocate_blocks(self._blocks_needed(seq, n))
         seq.status = Status.RUNNING
-        seq.prefix_hit_tokens += hit_tokens
-        self.prefix_hit_tokens += hit_tokens
+        seq.prefix_hit_tokens += hit.kda_tokens
+        self.prefix_hit_tokens += hit.kda_tokens
+        self.prefix_hits.count(hit)
         return n
 
     # ------------------------------------------------------------ after a step
@@ -352,5 +357,6 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.blocks.release_blocks(seq.block_table)
         seq.block_table = []
+        self.prefix_hits.forget(seq)
         release_slots(self.blocks, seq)
         seq.status = Status.WAITING

@@ -26,6 +26,7 @@ from pathlib import Path
 from latentmoe_lab.config import DSA, ModelConfig
 from latentmoe_lab.meta import BITS_PER_WEIGHT, format_bytes
 from latentmoe_lab.parallel.eplb.online import check_redundant_experts
+from latentmoe_lab.quant.kda_state import kda_slot_bytes
 from latentmoe_lab.quant.kv import kv_bytes_per_token
 from latentmoe_lab.serving.cache_tiers.offload_plan import long_context_text
 from latentmoe_lab.serving.config import ServiceConfig, serving_layout
@@ -75,8 +76,8 @@ def plan_service(service: ServiceConfig, config: ModelConfig) -> list[StagePlan]
     memories = device_memory(config, pconfig, workload)
     seqs = -(-service.memory.max_num_seqs // pconfig.ep)
     snapshots = -(-service.memory.snapshot_slots // pconfig.ep)
-    memory = dataclasses.replace(service.memory, max_num_seqs=seqs,
-                                 prefix_snapshot_slots=snapshots if service.memory.enable_prefix_caching else None)
+    prefix_cache = dataclasses.replace(service.memory.prefix_cache, snapshot_slots=snapshots)
+    memory = dataclasses.replace(service.memory, max_num_seqs=seqs, prefix_cache=prefix_cache)
     device_service = dataclasses.replace(service, memory=memory)
     usable = service.memory.gpu_memory_utilization * HARDWARE[service.memory.device].memory_bytes
     plans = []
@@ -103,7 +104,7 @@ def service_plan_text(service: ServiceConfig, config: ModelConfig) -> str:
     for stage in plan_service(service, config):
         lines += stage.lines(service.model.max_model_len)
     lines.append("")
-    lines.append(per_sequence_text(config, service.model.max_model_len))
+    lines.append(per_sequence_text(config, service.model.max_model_len, service.memory.state_dtype))
     lines.append("")
     lines.append(long_context_text(config, service))  # issue 29: tiers and the decode roofline
     lines.append("")
@@ -123,21 +124,20 @@ def cpu_budget_text(config: ModelConfig, service: ServiceConfig) -> str:
     return f"on this CPU (serve, serve-bench): {how}: {format_bytes(budget)} of cache pools per rank"
 
 
-def per_sequence_bytes(config: ModelConfig, seq_len: int, kv_cache_dtype: str) -> dict[str, float]:
+def per_sequence_bytes(config: ModelConfig, seq_len: int, kv_cache_dtype: str,
+                       state_dtype: str = "fp32") -> dict[str, float]:
     """Whole-model cache of ONE sequence of seq_len tokens (no parallel split), by kind.
 
     kv_cache_dtype: "bf16", "fp8", ... as memory.kv_cache_dtype; the bytes per token are the codecs' own
-    (quant.kv_bytes_per_token: scales included). KDA: fp32 state + conv tail in bf16, independent of seq_len.
+    (quant.kv_bytes_per_token: scales included). KDA: state + conv tail as memory.state_dtype stores them
+    (fp32: fp32 state, conv tail in bf16), independent of seq_len.
     """
-    kda = config.kda
     num_dsa = config.layer_types.count(DSA)
-    num_kda = config.num_layers - num_dsa
     per_token = kv_bytes_per_token(config, kv_cache_dtype)
     return {
         "dsa_latent": num_dsa * seq_len * per_token["mla"],
         "dsa_index": num_dsa * seq_len * per_token["index"],
-        "kda_state": num_kda * kda.num_heads * kda.head_dim_k * kda.head_dim_v * 4,
-        "kda_conv": num_kda * kda.num_heads * (2 * kda.head_dim_k + kda.head_dim_v) * (kda.conv_kernel - 1) * 2,
+        **kda_slot_bytes(config, state_dtype),
     }
 
 
@@ -147,10 +147,10 @@ def gqa_reference_bytes(seq_len: int, layers: int = 80, kv_heads: int = 8, head_
     return 2 * layers * kv_heads * head_dim * seq_len * value_bytes
 
 
-def per_sequence_text(config: ModelConfig, seq_len: int) -> str:
-    lines = [f"one {seq_len:,}-token sequence, whole model (before any parallel split):",
+def per_sequence_text(config: ModelConfig, seq_len: int, state_dtype: str = "fp32") -> str:
+    lines = [f"one {seq_len:,}-token sequence, whole model (before any parallel split; KDA state {state_dtype}):",
              f"{'cache':<14}{'bf16':>12}{'fp8':>12}"]
-    bf16, fp8 = per_sequence_bytes(config, seq_len, "bf16"), per_sequence_bytes(config, seq_len, "fp8")
+    bf16, fp8 = (per_sequence_bytes(config, seq_len, dtype, state_dtype) for dtype in ("bf16", "fp8"))
     for kind in bf16:
         lines.append(f"{kind:<14}{format_bytes(bf16[kind]):>12}{format_bytes(fp8[kind]):>12}")
     lines.append(f"{'total':<14}{format_bytes(sum(bf16.values())):>12}{format_bytes(sum(fp8.values())):>12}")

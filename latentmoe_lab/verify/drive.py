@@ -46,13 +46,13 @@ def file_paths(service: ServiceConfig) -> list[str]:
     """The state-moving paths this service file turns on (names from report.PATHS)."""
     mem, par = service.memory, service.parallel
     paths = ["batching", "chunked prefill", "preemption"]
-    if mem.enable_prefix_caching:
+    if mem.prefix_cache.enabled:
         paths.append("prefix hit")
-    if service.prefix_cache.enabled:
+    if mem.prefix_cache.spills:
         paths.append("tier restore")
     if service.speculative.enabled:
         paths.append("spec verify")
-    if mem.offload is not None:
+    if mem.offload.enabled:
         paths.append("offload swap-in")
     if uses_workers(par):
         paths.append("worker layout")
@@ -82,7 +82,7 @@ def run_passes(model, service: ServiceConfig, prompts: list[VerifyPrompt], max_t
         if engine.balancer is not None:
             engine.balancer.rebalance_next_step()
         runs += _wave(engine, 0, service, by_wave["warm"], max_tokens, tick, migrating=engine.balancer is not None)
-        if service.prefix_cache.enabled:  # the device prefix cache dropped; hits must come from the tiers
+        if service.memory.prefix_cache.spills:  # the device prefix cache dropped; hits must come from the tiers
             engine.reset()
             runs += _wave(engine, 0, service, by_wave["revisit"], max_tokens, tick)
     finally:
@@ -172,7 +172,7 @@ def paths_of(service: ServiceConfig, prompt: VerifyPrompt, out, tier_hit: bool, 
         paths += ["prefix hit", "tier restore"] if tier_hit else ["prefix hit"]
     if metrics and metrics.spec_accepted_tokens:  # a draft kept: the state slot of an accepted draft carried on
         paths.append("spec verify")
-    if service.memory.offload is not None:
+    if service.memory.offload.enabled:
         paths.append("offload swap-in")
     if uses_workers(service.parallel):
         paths.append("worker layout")

@@ -43,10 +43,11 @@ def verify_service(config_path: str, model_dir: str | None = None, num_prompts: 
     check_injection(inject, paths_on)
     model = load_model(service)
     with tempfile.TemporaryDirectory(prefix="latentmoe-verify-") as scratch:
-        if service.prefix_cache.disk_dir is not None:  # the file's disk tier, moved into a scratch directory:
-            # verify writes nothing outside it, and entries a served engine left there cannot hit
-            tiers = dataclasses.replace(service.prefix_cache, disk_dir=str(Path(scratch) / "spill"))
-            service = dataclasses.replace(service, prefix_cache=tiers)
+        tiers = service.memory.prefix_cache
+        if tiers.disk_dir is not None:  # the file's disk tier, moved into a scratch directory: verify writes
+            # nothing outside it, and entries a served engine left there cannot hit
+            tiers = dataclasses.replace(tiers, disk_dir=str(Path(scratch) / "spill"))
+            service = dataclasses.replace(service, memory=dataclasses.replace(service.memory, prefix_cache=tiers))
         return verify_engine(model, service, paths_on, str(config_path), num_prompts, max_tokens, seed, inject,
                              show_progress)
 
@@ -60,7 +61,7 @@ def verify_engine(model, service: ServiceConfig, paths_on: list[str], name: str,
     mode, tolerance, solo = numeric_mode(service)
     injector = Injector(inject)
     # at most: cold + warm, the revisit (tiers), the tight pass's cold + warm, the p/d pass's cold + warm
-    total = num_prompts * (4 + bool(service.prefix_cache.enabled) + 2 * bool(service.disaggregation.enabled))
+    total = num_prompts * (4 + service.memory.prefix_cache.spills + 2 * bool(service.disaggregation.enabled))
     with tqdm(total=total, desc="verify", disable=not show_progress) as bar:
         runs = _engine_runs(model, service, prompts, max_tokens, injector, bar.update)
         bar.total = bar.n  # the tight pass is skipped when the file's own pass already preempted
@@ -126,9 +127,9 @@ def numeric_mode(service: ServiceConfig) -> tuple[str, float, bool]:
 def plain_path(service: ServiceConfig) -> ServiceConfig:
     """The same file with every state-moving path off: no prefix caching or tiers, no speculation, no P/D,
     no EPLB (the layout, formats and budgets stay)."""
-    memory = dataclasses.replace(service.memory, enable_prefix_caching=False, prefix_snapshot_slots=None)
+    memory = dataclasses.replace(service.memory, prefix_cache=None)  # None: off
     data = dataclasses.replace(service, memory=memory).to_dict()
-    for section in ("speculative", "prefix_cache", "disaggregation"):
+    for section in ("speculative", "disaggregation"):
         data.pop(section, None)
     data["eplb"] = {"enabled": False}
     return ServiceConfig.from_dict(data)

@@ -5,36 +5,39 @@ from __future__ import annotations
 
 from latentmoe_lab.config import DSA, ModelConfig
 from latentmoe_lab.meta import format_bytes
+from latentmoe_lab.quant.kda_state import kda_slot_bytes
 from latentmoe_lab.quant.kv import kv_bytes_per_token
 from latentmoe_lab.serving.config import ServiceConfig
 
 
 def request_tier_bytes(config: ModelConfig, seq_len: int, kv_cache_dtype: str = "fp8",
-                       hot_rows: int | None = None) -> dict[str, float]:
+                       hot_rows: int | None = None, index_key_dtype: str = "auto",
+                       state_dtype: str = "fp32") -> dict[str, float]:
     """One sequence of seq_len tokens with its latent rows offloaded, whole model: bytes on each tier.
 
     device: index keys of every indexer layer, the hot buffers (hot_rows per DSA layer, default 2 x top-k),
     the KDA state and conv tail; host: every DSA layer's latent + rope rows. Without offload the device
-    would hold the host figure as well (service_plan.per_sequence_bytes)."""
-    per_token = kv_bytes_per_token(config, kv_cache_dtype)
+    would hold the host figure as well (service_plan.per_sequence_bytes). index_key_dtype: as
+    memory.index_key_dtype (int4 / fp4: the device's index keys in 4 bits); state_dtype: memory.state_dtype."""
+    per_token = kv_bytes_per_token(config, kv_cache_dtype, index_key_dtype=index_key_dtype)
     hot_rows = 2 * config.indexer.topk if hot_rows is None else hot_rows
-    kda = config.kda
-    num_kda = config.layer_types.count("kda")
     num_dsa = config.layer_types.count(DSA)
+    kda = kda_slot_bytes(config, state_dtype)
     return {
         "device: dsa_index": config.num_indexer_layers * seq_len * per_token["index"],
         "device: dsa_hot_buffers": num_dsa * min(hot_rows, seq_len) * per_token["mla"],
-        "device: kda_state": num_kda * kda.num_heads * kda.head_dim_k * kda.head_dim_v * 4,
-        "device: kda_conv": num_kda * kda.num_heads * (2 * kda.head_dim_k + kda.head_dim_v) * (kda.conv_kernel - 1) * 2,
+        "device: kda_state": kda["kda_state"],
+        "device: kda_conv": kda["kda_conv"],
         "host: dsa_latent": num_dsa * seq_len * per_token["mla"],
     }
 
 
 def request_tier_text(config: ModelConfig, seq_len: int, kv_cache_dtype: str = "fp8",
-                      hot_rows: int | None = None) -> str:
-    parts = request_tier_bytes(config, seq_len, kv_cache_dtype, hot_rows)
+                      hot_rows: int | None = None, index_key_dtype: str = "auto", state_dtype: str = "fp32") -> str:
+    parts = request_tier_bytes(config, seq_len, kv_cache_dtype, hot_rows, index_key_dtype, state_dtype)
     device = sum(v for k, v in parts.items() if k.startswith("device"))
-    lines = [f"one {seq_len:,}-token sequence with memory.offload ({kv_cache_dtype} cache, whole model):"]
+    keys = "" if index_key_dtype == "auto" else f", {index_key_dtype} index keys"
+    lines = [f"one {seq_len:,}-token sequence with memory.offload ({kv_cache_dtype} cache{keys}, whole model):"]
     lines += [f"  {name:<28}{format_bytes(value):>12}" for name, value in parts.items()]
     lines.append(f"  {'device total':<28}{format_bytes(device):>12}   "
                  f"({device / (device - parts['device: dsa_hot_buffers'] + parts['host: dsa_latent']):.1%} of the "
@@ -52,9 +55,10 @@ def long_context_text(config: ModelConfig, service: ServiceConfig) -> str:
 
     par, mem, seq_len = service.parallel, service.memory, service.model.max_model_len
     cache_dtype = "fp8" if service.cache_dtype in ("fp8", "int8") else "bf16"
-    hot_rows = None if mem.offload is None else mem.offload.hot_rows(config.indexer.topk)
+    hot_rows = mem.offload.hot_rows(config.indexer.topk) if mem.offload.enabled else None
     pconfig = ParallelConfig(tp=par.tensor_parallel_size, ep=par.expert_parallel_size, pp=par.pipeline_parallel_size)
     expert_format = "fp8" if service.model.dtype == "fp8" else "bf16"
     roofline = [decode_roofline_text(config, pconfig, HARDWARE[mem.device], seq_len, cache_dtype, expert_format,
-                                     swap) for swap in (None, 1.0)]
-    return "\n".join([request_tier_text(config, seq_len, cache_dtype, hot_rows), *roofline])
+                                     swap, mem.index_key_dtype) for swap in (None, 1.0)]
+    tiers = request_tier_text(config, seq_len, cache_dtype, hot_rows, mem.index_key_dtype, mem.state_dtype)
+    return "\n".join([tiers, *roofline])

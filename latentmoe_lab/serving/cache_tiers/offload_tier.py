@@ -131,7 +131,7 @@ class OffloadedPools(PagedPools):
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int, hot_rows: int,
                  hot_slots: int, dtype: torch.dtype = torch.float32, device=None, latent_format=None,
-                 index_format=None, host_device="cpu"):
+                 index_format=None, host_device="cpu", state_format=None, conv_format=None):
         for name, value, low in (("hot_rows", hot_rows, config.indexer.topk), ("hot_slots", hot_slots, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: must be an int >= {low}" + (" (indexer.topk: a decode reads up to "
@@ -139,7 +139,8 @@ class OffloadedPools(PagedPools):
         if hot_slots > num_slots:
             raise ValueError(f"hot_slots: {hot_slots} exceeds num_slots ({num_slots})")
         self.hot_rows, self.hot_slots, self.host_device = hot_rows, hot_slots, torch.device(host_device)
-        super().__init__(config, num_blocks, block_size, num_slots, dtype, device, latent_format, index_format)
+        super().__init__(config, num_blocks, block_size, num_slots, dtype, device, latent_format, index_format,
+                         state_format, conv_format)
 
     def _dsa_pool(self, d: dict[str, int], own_indexer: bool) -> OffloadedDSAPool:
         latent = self._allocate(self.latent_format, "latent_format", d["latent"], device=self.host_device)

@@ -4,12 +4,13 @@
 The device prefix cache (block_manager.py) forgets a cached block when an allocation needs its room, and a
 snapshot when a newer one needs its row. SpillingBlockManager copies them out first (BlockManager.evicting):
 
-    device pools  --evict-->  host tier (serving/cache_tiers/spill_host.py, CPU tensors, prefix_cache.host_bytes)
+    device pools  --evict-->  host tier (serving/cache_tiers/spill_host.py, CPU tensors, memory.prefix_cache.host_bytes)
                   --LRU past host_bytes-->  disk tier (serving/cache_tiers/spill_disk.py, safetensors + SHA-256)
 
 an entry per (block hash, kind): "rows" = the block's storage in every DSA layer (latent and index pools,
 in the pools' own format, so fp8 rows stay fp8), "kda" = the snapshot at the block's end (every KDA layer's
-fp32 state and conv tail). A block hash names its whole prefix, so an entry is valid wherever it is found.
+fp32 state and conv tail, and with an MTP head the hidden row kept beside the snapshot, spec/hidden_rows.py).
+A block hash names its whole prefix, so an entry is valid wherever it is found.
 
 A hit (match_prefix) walks the hash chain across the three tiers: the longest run of blocks found
 somewhere whose last block has a snapshot somewhere. Blocks not on the device are read back into freshly
@@ -173,7 +174,7 @@ class SpillingBlockManager(BlockManager):
     def _fetch(self, block_hash: bytes, kind: str, tier: str) -> Entry:
         if tier == HOST:
             return self.host.get(block_hash, kind)
-        return self.disk.get(block_hash, kind, self.expected[kind])
+        return self.disk.get(block_hash, kind, self.expected[kind], self.store.optional(kind))
 
 
 def spill_key(model, plan, cache_dtype: str) -> tuple[str, dict]:
@@ -184,17 +185,18 @@ def spill_key(model, plan, cache_dtype: str) -> tuple[str, dict]:
                                                             default=str).encode()).hexdigest(),
                  "cache_dtype": cache_dtype, "conv_dtype": str(plan.dtype), "block_size": plan.block_size,
                  "latent_format": type(plan.latent_format).__name__,
-                 "index_format": type(plan.index_format).__name__}
+                 "index_format": type(plan.index_format).__name__, "state_format": repr(plan.state_format),
+                 "conv_format": repr(plan.conv_format)}
     return hashlib.sha256(json.dumps(describes, sort_keys=True).encode()).hexdigest(), describes
 
 
 def block_manager_for(model, service, plan) -> BlockManager:
-    """The engine's block manager: a SpillingBlockManager when the prefix_cache: section asks for a spill, over
+    """The engine's block manager: a SpillingBlockManager when memory.prefix_cache asks for a spill, over
     the pools of the runner that connect_runner hands it once the engine has built one."""
-    section, memory = service.prefix_cache, service.memory
-    if not section.enabled:
-        return BlockManager(plan.num_blocks, memory.block_size, plan.num_slots, plan.num_snapshots,
-                            memory.enable_prefix_caching)
+    memory = service.memory
+    section = memory.prefix_cache
+    if not section.spills:
+        return BlockManager(plan.num_blocks, memory.block_size, plan.num_slots, plan.num_snapshots, section.enabled)
     disk = None
     if section.disk_dir is not None:
         key, describes = spill_key(model, plan, service.cache_dtype)
@@ -204,10 +206,11 @@ def block_manager_for(model, service, plan) -> BlockManager:
                                 plan.num_slots, plan.num_snapshots)
 
 
-def connect_runner(block_manager: BlockManager, runner) -> None:
-    """Give a spill the engine's runner (ModelRunner or ParallelRunner), once the engine has built it."""
+def connect_runner(block_manager: BlockManager, runner, hidden_rows=None) -> None:
+    """Give a spill the engine's runner (ModelRunner or ParallelRunner), once the engine has built it, and its
+    MTP hidden rows (spec/hidden_rows.SlotHiddenRows, None without an MTP head), spilled with the snapshots."""
     if isinstance(block_manager, SpillingBlockManager):
-        block_manager.store.runner = runner
+        block_manager.store.runner, block_manager.store.hidden_rows = runner, hidden_rows
 
 
 def flush_spill(block_manager: BlockManager) -> None:

@@ -8,7 +8,10 @@ back on a hit, always in one layout, whatever the process layout:
            layer i of the whole model (index: layers that keep keys), each as the pool's format stores ONE
            block (fp8 codes stay codes)
     kda    {"layer{i}.state": fp32 [H, d_k, d_v], "layer{i}.conv": [channels, kernel - 1]}  every KDA layer,
-           whole heads
+           as the slot formats store one slot (memory.state_dtype int8: codes, scales and residuals as bytes),
+           whole heads; with an MTP head also "mtp.hidden" [hidden] in the compute dtype, the hidden row kept
+           beside the snapshot row (spec/hidden_rows.py: the MTP drafter starts from it after a restore). It
+           is optional: an entry without it restores the state, and the drafter starts after the boundary
 
 `RunnerBlocks` reads and writes them with the runner's read_rows / write_rows, the interface a transfer uses
 (model_runner.LocalPools in this process; ParallelRunner over worker processes, gathered over tensor-parallel
@@ -26,11 +29,13 @@ import logging
 import torch
 
 from latentmoe_lab.config import DSA
+from latentmoe_lab.paged_pools import kda_shapes, slot_layout
 from latentmoe_lab.serving.cache_tiers.spill_host import Entry
 from latentmoe_lab.serving.transport.pool_rows import token_byte_offsets
 from latentmoe_lab.serving.workers.parallel_runner import WorkerGroupError
 
 ROWS, KDA = "rows", "kda"
+HIDDEN = "mtp.hidden"  # a "kda" entry's MTP hidden row, where the model has a head
 log = logging.getLogger(__name__)
 
 
@@ -59,10 +64,12 @@ class BlockBytes:
 class RunnerBlocks:
     """The engine's pools through `runner` (its ModelRunner or ParallelRunner, set by connect_runner once it
     exists; any model_runner.LocalPools). config: the whole model's; plan: a rank's CachePlan, or PagedPools
-    (what is read of it: block_size, latent_format, index_format and dtype, the conv tails')."""
+    (what is read of it: block_size, latent_format, index_format, state_format, conv_format and dtype)."""
 
     def __init__(self, config, plan, runner=None):
         self.block_size, self.runner = plan.block_size, runner
+        self.hidden_rows = None  # the engine's SlotHiddenRows (spec/hidden_rows.py), set by connect_runner
+        self.hidden_shape = {HIDDEN: (plan.dtype, (config.hidden_size,))} if config.mtp_depth > 0 else {}
         self.lost_group = None  # runner.restarts when its group was lost under a read or write: skip until restart
         self.dsa = [i for i, kind in enumerate(config.layer_types) if kind == DSA]
         # the layers that keep index keys, as PagedPools allocates them (none for dense MLA, dsa.use_indexer off)
@@ -71,10 +78,13 @@ class RunnerBlocks:
         self.latent = BlockBytes(plan.latent_format, config.mla.kv_lora_rank + config.mla.qk_rope_head_dim,
                                  plan.block_size)
         self.index = BlockBytes(plan.index_format, config.indexer.head_dim, plan.block_size)
-        kda = config.kda
-        self.kda_shapes = {"state": (torch.float32, (kda.num_heads, kda.head_dim_k, kda.head_dim_v)),
-                           "conv": (plan.dtype, (kda.num_heads * (2 * kda.head_dim_k + kda.head_dim_v),
-                                                 kda.conv_kernel - 1))}
+        (state, state_dtype), (conv, conv_dtype) = (slot_layout(fmt, shape) for fmt, shape in
+                                                    zip((plan.state_format, plan.conv_format), kda_shapes(config)))
+        self.kda_shapes = {"state": (state_dtype, state), "conv": (conv_dtype, conv)}  # one slot, whole heads
+
+    def optional(self, kind: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """What an entry of `kind` may hold besides shapes(kind): a "kda" entry's MTP hidden row."""
+        return self.hidden_shape if kind == KDA else {}
 
     def shapes(self, kind: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         if kind == KDA:
@@ -99,8 +109,9 @@ class RunnerBlocks:
                         "every entry until the engine restarts the group): %s", kind, error)
             return None
         if kind == KDA:
+            hidden = None if self.hidden_rows is None else self.hidden_rows.stored(index)
             return {f"layer{i}.{part}": rows[f"kda_{part}"][j].cpu() for j, i in enumerate(self.kda)
-                    for part in ("state", "conv")}
+                    for part in ("state", "conv")} | ({} if hidden is None else {HIDDEN: hidden})
         entry = {f"layer{i}.latent": self.latent.to_block(rows["dsa_latent"][j].cpu()) for j, i in enumerate(self.dsa)}
         return entry | {f"layer{i}.index": self.index.to_block(rows["dsa_index"][j].cpu())
                         for j, i in enumerate(self.indexed)}
@@ -118,6 +129,8 @@ class RunnerBlocks:
         for part, (dtype, shape) in self.kda_shapes.items():
             rows[f"kda_{part}"] = (torch.stack([snapshots[0][1][f"layer{i}.{part}"] for i in self.kda])
                                    if snapshots and self.kda else torch.zeros((0, *shape), dtype=dtype))
+        if snapshots and self.hidden_rows is not None:  # engine-side: no message to the workers
+            self.hidden_rows.write(snapshots[0][0], snapshots[0][1].get(HIDDEN))
         try:
             self.runner.write_rows(positions, snapshots[0][0] if snapshots else None, rows)
         except WorkerGroupError as error:

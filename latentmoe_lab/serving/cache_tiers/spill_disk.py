@@ -2,7 +2,8 @@
 
     DIR/<key[:32]>/spill.json                       {"format", "key", "describes"}: what wrote the files
     DIR/<key[:32]>/<block hash hex>.<kind>.safetensors   kind "rows" (a block's DSA rows, every DSA layer)
-                                                      or "kda" (the KDA snapshot at the block's end)
+                                                      or "kda" (the KDA snapshot at the block's end;
+                                                      with an MTP head its hidden row, "mtp.hidden")
 
 `key` is the SHA-256 of the model's weights, its config, the cache formats and the block size
 (prefix_spill.spill_key): files of another model or cache dtype sit under another subdirectory and are
@@ -67,7 +68,7 @@ class DiskTier:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as error:
-            raise ValueError(f"prefix_cache.disk_dir: cannot write the spill directory {self.directory} "
+            raise ValueError(f"memory.prefix_cache.disk_dir: cannot write the spill directory {self.directory} "
                              f"(key {key[:32]}): {error.strerror or error}") from error
         self._check_manifest(describes)
         self.files: OrderedDict[tuple[bytes, str], int] = OrderedDict()  # least recently used first
@@ -94,11 +95,11 @@ class DiskTier:
             try:
                 found = json.loads(manifest.read_text())
             except (OSError, ValueError) as error:
-                raise ValueError(f"prefix_cache.disk_dir: {manifest} is unreadable ({error}); remove the "
+                raise ValueError(f"memory.prefix_cache.disk_dir: {manifest} is unreadable ({error}); remove the "
                                  f"directory {self.directory} to start it afresh") from error
             if not isinstance(found, dict) or found.get("key") != self.key or found.get("format") != FORMAT:
-                raise ValueError(f"prefix_cache.disk_dir: {self.directory} was written for another model or cache "
-                                 f"(key {str(found.get('key') if isinstance(found, dict) else found)[:32]}, this "
+                raise ValueError(f"memory.prefix_cache.disk_dir: {self.directory} was written for another model or "
+                                 f"cache (key {str(found.get('key') if isinstance(found, dict) else found)[:32]}, this "
                                  f"engine's is {self.key[:32]}); its files are not served")
             return
         _write_atomically(manifest, json.dumps(wanted, indent=1, sort_keys=True).encode())
@@ -136,8 +137,10 @@ class DiskTier:
         while self.max_bytes is not None and self.nbytes > self.max_bytes and self.files:
             self.discard(*next(iter(self.files)))
 
-    def get(self, block_hash: bytes, kind: str, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
-        """The entry's tensors, checked against its checksum, key, block and `expected` {name: (dtype, shape)}.
+    def get(self, block_hash: bytes, kind: str, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+            optional: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None):
+        """The entry's tensors, checked against its checksum, key, block and `expected` {name: (dtype, shape)},
+        plus any of `optional` (a "kda" entry's MTP hidden row: a file without it is served all the same).
 
         SpillRefused (and the file deleted) when any check fails or the file is gone."""
         path = self._path(block_hash, kind)
@@ -150,7 +153,9 @@ class DiskTier:
         problems = [f"{field} {metadata.get(field)!r}" for field, want in
                     (("key", self.key), ("block_hash", block_hash.hex()), ("kind", kind))
                     if metadata.get(field) != want]
-        if {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()} != expected:
+        found, optional = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, optional or {}
+        required = {name: shape for name, shape in found.items() if name not in optional}
+        if required != expected or any(found[name] != optional[name] for name in found.keys() & optional.keys()):
             problems.append("tensors of other names, dtypes or shapes than the pools'")
         elif metadata.get("sha256") != tensors_sha256(tensors):
             problems.append("checksum mismatch")

@@ -29,7 +29,7 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 class HostTier:
     def __init__(self, max_bytes: int, demote: Callable[[bytes, str, Entry], None] | None = None):
         if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"prefix_cache.host_bytes: must be an integer >= 0, got {max_bytes!r}")
+            raise ValueError(f"memory.prefix_cache.host_bytes: must be an integer >= 0, got {max_bytes!r}")
         self.max_bytes, self.demote = max_bytes, demote
         self.entries: OrderedDict[tuple[bytes, str], Entry] = OrderedDict()  # least recently used first
         self.nbytes = 0

@@ -11,8 +11,8 @@ config with `parallel.role` set to its role and that role's overrides applied:
 
 What the two roles must share, because the decode side continues the cache the prefill side wrote, is
 checked here and refused naming the key the override changed: the weights (model.preset, checkpoint, seed,
-dtype), the cache's storage format (memory.kv_cache_dtype resolved: auto and fp32 agree for fp32 weights) and
-model.max_model_len. Each role's own plan (a decode cache that cannot hold one max_model_len request) is
+dtype), the cache's storage format (memory.kv_cache_dtype resolved: auto and fp32 agree for fp32 weights;
+memory.state_dtype) and model.max_model_len. Each role's own plan (a decode cache that cannot hold one max_model_len request) is
 checked by service_plan.py's check_role_plans, when the file is loaded as `serve` loads it. Instances compare
 their loaded weights' fingerprints at start-up too (router.py): a checkpoint directory may hold other weights
 than its name says.
@@ -31,7 +31,7 @@ TRANSPORTS = ("pipe",)
 INSTANCE_ROLES = ("prefill", "decode")
 ROLE_SECTIONS = ("model", "parallel", "memory", "scheduler")
 SHARED_KEYS = (("model", "preset"), ("model", "checkpoint"), ("model", "checkpoint_if_present"), ("model", "seed"),
-               ("model", "dtype"), ("model", "max_model_len"))
+               ("model", "dtype"), ("model", "max_model_len"), ("memory", "state_dtype"))
 
 
 @dataclass
@@ -41,10 +41,11 @@ class DisaggregationSection:
     transport: str = "pipe"
     prefill: dict | None = None  # {section: {key: value}} overriding the file for the prefill instances
     decode: dict | None = None
+    enabled: bool = True  # false: the section stays, one colocated engine serves (as with no instances given)
 
-    @property
-    def enabled(self) -> bool:
-        return self.prefill_instances > 0 or self.decode_instances > 0
+    def __post_init__(self) -> None:
+        if self.enabled is True and self.prefill_instances == 0 and self.decode_instances == 0:
+            self.enabled = False
 
 
 def check_disaggregation(config) -> None:

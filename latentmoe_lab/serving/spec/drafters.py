@@ -19,7 +19,9 @@ import torch
 class DraftInput:
     """tokens: the request's tokens, prompt + generated; the last one has not run through the target yet.
     hidden [n, hidden_size]: the target's last hidden state (before its final norm) at the positions it ran
-    since this request's previous propose, in order (the MTP drafter's input; None for the n-gram one)."""
+    since this request's previous propose, in order (the MTP drafter's input; None for the n-gram one).
+    For the MTP drafter both start at the request's first position with a hidden row: 0, or after a prefix
+    hit or an import the position before the first one computed here (spec/hidden_rows.py)."""
 
     tokens: Sequence[int]
     hidden: torch.Tensor | None = None

@@ -24,10 +24,11 @@ class SpeculativeSection:
     draft_cost: float | None = None  # with adaptive: a draft token's cost / a plain decode's (DEFAULT_DRAFT_COST)
     probe_interval: int | None = None  # with adaptive: steps at K = 0 before a 1-draft probe (DEFAULT_PROBE_INTERVAL)
     max_context: int | None = None  # no drafts for a sequence past this many tokens (default: no limit)
+    enabled: bool = True  # false: the section stays, off; a section that sets nothing else is off too
 
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None
+    def __post_init__(self) -> None:
+        if self.enabled is True and self.method is None and not keys_given(self):
+            self.enabled = False
 
     @property
     def lookup_range(self) -> tuple[int, int]:
@@ -43,12 +44,13 @@ class SpeculativeSection:
 
 
 def check_speculative(spec: SpeculativeSection) -> None:
-    """The speculative: section on its own; what needs the model (an MTP head) is checked at engine start."""
-    if spec.method is None:
-        given = [key for key, value in asdict(spec).items() if value is not None]
-        check(not given, "speculative.method", f"required when the section sets {given[0] if given else ''} "
-              f"(one of {list(SPEC_METHODS)}; leave the section out for no speculative decoding)")
+    """The speculative: section on its own (its keys' types checked; nothing more when it is off); what needs the
+    model (an MTP head) is checked at engine start."""
+    if not spec.enabled:
         return
+    check(spec.method is not None, "speculative.method", f"required when the section sets "
+          f"{(keys_given(spec) or [''])[0]} (one of {list(SPEC_METHODS)}; leave the section out for no speculative "
+          f"decoding)")
     check_choice("speculative.method", spec.method, SPEC_METHODS)
     k = spec.num_speculative_tokens
     check(k is not None, "speculative.num_speculative_tokens", f"required with speculative.method "
@@ -70,3 +72,8 @@ def check_speculative(spec: SpeculativeSection) -> None:
     low, high = spec.lookup_range
     check(low <= high, "speculative.prompt_lookup_max",
           f"({high}) must be >= speculative.prompt_lookup_min ({low})")
+
+
+def keys_given(spec: SpeculativeSection) -> list[str]:
+    """The keys the section sets besides `enabled`."""
+    return [key for key, value in asdict(spec).items() if value is not None and key != "enabled"]

@@ -14,18 +14,20 @@ A request proposes at most min(k, tokens it may still generate - 1) drafts, k = 
 speculative.adaptive, what its own acceptance is worth (spec/draft_count.py; 0 past max_context): a step
 emits the accepted drafts plus one, so it never overshoots max_tokens. The step's drafting requests go to
 the drafter together (propose_batch: the MTP head runs once per depth for all of them). The MTP drafter
-needs the target's hidden state at every position of the request; after a prefix hit (or an import from
-a prefill instance) some were never computed, and that request then runs without drafts.
+needs the target's hidden state at the positions it drafts from; after a prefix hit, a spill restore or an
+import from a prefill instance the request has the row of the position before its first computed one,
+kept with the KDA slot it resumed from (spec/hidden_rows.py), and its drafter starts there.
 
 What a request's tokens depend on. Greedy: the prompt, the params and the weights, drafts or not (each
 emitted token is the target's pick). Sampled with a seed: the seed, the prompt, the params, the method and K
 and the logits, never on what the engine served before. So its first token is never drafted (a plain draw,
-as a P/D prefill instance makes it before the hand-over), and with mtp none is: MTP drafts hang on hidden
-rows that a prefix hit, an import or a preemption leaves missing. ngram drafts from the tokens alone, so a
-seeded request's drafts, and with them its draws, are the same wherever it runs. The logits are
-bit-identical across batch compositions, chunks and prefix hits under scheduler.batch_invariant
-(docs/design.md §6.5); without it float rounding may, rarely, tip a draw. Sampled without a seed: drafted
-throughout, each token distributed as the target's sampling gives it, reproducible by nobody.
+as a P/D prefill instance makes it before the hand-over), and with mtp none is: MTP drafts hang on the
+hidden rows the drafter holds, which start where a prefix hit, an import or a preemption left the request.
+ngram drafts from the tokens alone, so a seeded request's drafts, and with them its draws, are the same
+wherever it runs. The logits are bit-identical across batch compositions, chunks and prefix hits under
+scheduler.batch_invariant (docs/design.md §6.5); without it float rounding may, rarely, tip a draw.
+Sampled without a seed: drafted throughout, each token distributed as the target's sampling gives it,
+reproducible by nobody.
 """
 from __future__ import annotations
 
@@ -102,8 +104,27 @@ class Speculator:
                     seq.pending_hidden.append(hidden[start:start + kept])
                     seq.hidden_rows += kept
             start += n
-        asking, requests = [], []  # every drafting sequence of the step in one propose_batch
-        for seq, _ in entries:
+        self._propose([seq for seq, _ in entries])
+
+    def take_restored_row(self, seq: Sequence, row: torch.Tensor | None) -> None:
+        """row [hidden]: the target's hidden row at position num_computed - 1, kept with the KDA slot row a
+        sequence resumed from (a prefix hit, a spill restore, an import; spec/hidden_rows.py), or None. A
+        sequence with no rows of its own yet starts its MTP history there; any other ignores it."""
+        if (self.needs_hidden and row is not None and seq.hidden_rows == 0 and seq.num_computed > 0
+                and not self.draft_count.past_context(len(seq.token_ids))):
+            seq.pending_hidden, seq.hidden_rows = [row[None]], 1
+
+    def start_imported(self, seq: Sequence, row: torch.Tensor | None) -> None:
+        """A sequence a transfer entered as running, ready to decode its first token (transport/transfer.py):
+        its carried hidden row taken, its drafts proposed now, so its first step verifies them as a colocated
+        request's would."""
+        self.take_restored_row(seq, row)
+        self._propose([seq])
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Drafts for every sequence ready to decode, in one propose_batch."""
+        asking, requests = [], []
+        for seq in seqs:
             if seq.status is Status.RUNNING and seq.num_remaining == 1 and not seq.draft_ids:
                 request = self._draft_request(seq)
                 if request is not None:
@@ -114,7 +135,9 @@ class Speculator:
                 seq.draft_ids = drafts[:k]
 
     def _draft_request(self, seq: Sequence) -> tuple[int, DraftInput, int] | None:
-        """(request_id, DraftInput, k) for the drafter, or None: no drafts for this sequence this step."""
+        """(request_id, DraftInput, k) for the drafter, or None: no drafts for this sequence this step. The
+        MTP input starts at the first position the sequence has a hidden row for (0, or the row before a
+        hit): its tokens from there and the rows not yet handed over."""
         k = min(self.draft_count.choose(seq.request_id, len(seq.token_ids)),
                 seq.max_tokens - len(seq.generated_ids) - 1)
         if k < 1:
@@ -123,11 +146,11 @@ class Speculator:
             return None  # a seeded sample's draws must not hang on the drafter's state (see the module docstring)
         if not self.needs_hidden:
             return seq.request_id, DraftInput(seq.token_ids), k
-        if seq.hidden_rows != seq.num_computed:  # a prefix hit skipped positions: no MTP input for them
+        if seq.hidden_rows == 0:  # resumed from a slot row without a hidden row: none computed here yet
             return None
         rows = torch.cat(seq.pending_hidden)
         seq.pending_hidden = []
-        return seq.request_id, DraftInput(seq.token_ids, rows), k
+        return seq.request_id, DraftInput(seq.token_ids[seq.num_computed - seq.hidden_rows:], rows), k
 
     def stats(self) -> dict:
         """Engine.stats()'s spec_* entries (vLLM's spec_decode_* counters, /metrics; tokens per verify step)."""

@@ -16,13 +16,15 @@ Where a token's bytes lie in the storage (its byte view, flattened), by layout:
                                                              values  b*bs*E + o*D + [0, D)
                                                              scales  b*bs*E + bs*D + o*4G + [0, 4G)
 
-The KDA rows are one slot per layer: state [H, d_k, d_v] fp32 and conv tail [channels, kernel - 1].
+The KDA rows are one slot per layer, as the slot formats store them (memory.state_dtype, quant/kda_state.py):
+state fp32 [H, d_k, d_v] and conv tail [channels, kernel - 1] by default; int8 codes, scales and residuals
+as bytes otherwise, heads (and channel groups) first, so the state arrives with its error-feedback carry.
 """
 from __future__ import annotations
 
 import torch
 
-from latentmoe_lab.paged_pools import DSAPool, KDAPool, PagedPools, PlainFormat
+from latentmoe_lab.paged_pools import DSAPool, KDAPool, PagedPools, PlainFormat, kda_shapes, slot_layout
 from latentmoe_lab.quant.kv_index import QuantizedIndexFormat
 from latentmoe_lab.quant.kv_mla import QuantizedLatentFormat
 
@@ -74,21 +76,21 @@ def read_request_rows(pools: PagedPools, positions: torch.Tensor, slot: int | No
     (slot None: no KDA rows, [0, ...]; the prefix-cache spill reads a block alone, serving/cache_tiers/spill_blocks.py).
 
     -> {"dsa_latent": uint8 [L_dsa, N, E_latent], "dsa_index": uint8 [L_indexer, N, E_index] (the layers that
-        keep index keys), "kda_state": fp32 [L_kda, H, d_k, d_v], "kda_conv": [L_kda, channels, kernel - 1]}
+        keep index keys), "kda_state": [L_kda, *one slot's stored state] (fp32 [L_kda, H, d_k, d_v] by default),
+        "kda_conv": [L_kda, *one slot's stored conv tail] ([L_kda, channels, kernel - 1])}
     (copies). With memory.offload the latent rows are read from the host tier, which holds every row.
     """
     dsa, indexed = _dsa_pools(pools)
     kda = [pool for pool in pools.layers if isinstance(pool, KDAPool) and slot is not None]
-    config, tokens = pools.config, len(positions)
-    kda_dims = (config.kda.num_heads, config.kda.head_dim_k, config.kda.head_dim_v)
-    channels = config.kda.num_heads * (2 * config.kda.head_dim_k + config.kda.head_dim_v)
+    tokens = len(positions)
+    state_shape, conv_shape = kda_shapes(pools.config)
     return {
         "dsa_latent": _stack([read_token_bytes(p.latent_format, p.latent, p.latent_dim, positions) for p in dsa],
                              (tokens, _per_token(pools, "latent")), torch.uint8),
         "dsa_index": _stack([read_token_bytes(p.index_format, p.index, p.index_dim, positions) for p in indexed],
                             (tokens, _per_token(pools, "index")), torch.uint8),
-        "kda_state": _stack([p.state[slot].clone() for p in kda], kda_dims, torch.float32),
-        "kda_conv": _stack([p.conv[slot].clone() for p in kda], (channels, config.kda.conv_kernel - 1), pools.dtype),
+        "kda_state": _stack([p.state[slot].clone() for p in kda], *slot_layout(pools.state_format, state_shape)),
+        "kda_conv": _stack([p.conv[slot].clone() for p in kda], *slot_layout(pools.conv_format, conv_shape)),
     }
 
 

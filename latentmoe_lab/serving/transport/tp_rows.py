@@ -10,6 +10,7 @@ KDA layer, and every rank holds the whole DSA latent and indexer rows (they are 
     KDA state    [L, H/tp, d_k, d_v] per rank <-> concatenated along the heads [L, H, d_k, d_v]
     KDA conv     [L, (H/tp) * (2 d_k + d_v), K-1] per rank, channels q | k | v of its heads each <->
                  the q parts of all ranks, then the k parts, then the v parts [L, H * (2 d_k + d_v), K-1]
+                 (memory.state_dtype int8: dim 1 holds groups of G channels, so the parts are widths / G)
     stages       their layers concatenated in order
 
 Expert-parallel ranks hold whole attention heads and replicated pools: ep index 0 is read, all are written.
@@ -56,8 +57,12 @@ def stage_parts(config, layers: range) -> dict[str, slice]:
             for kind, ids in kinds.items()}
 
 
-def _conv_widths(heads: int, head_dim_k: int, head_dim_v: int) -> list[int]:
-    return [heads * head_dim_k, heads * head_dim_k, heads * head_dim_v]
+def _conv_widths(heads: int, head_dim_k: int, head_dim_v: int, conv: torch.Tensor) -> list[int]:
+    """The q, k and v parts of conv rows [L, dim 1, ...] of `heads` heads, in dim-1 rows (a stored row holds
+    one channel, or one group of channels in a grouped slot format, quant/kda_state.py)."""
+    widths = [heads * head_dim_k, heads * head_dim_k, heads * head_dim_v]
+    per_row = sum(widths) // conv.shape[1]
+    return [width // per_row for width in widths]
 
 
 def gather_heads(members: list[dict[str, torch.Tensor]], head_dim_k: int, head_dim_v: int) -> dict[str, torch.Tensor]:
@@ -67,7 +72,7 @@ def gather_heads(members: list[dict[str, torch.Tensor]], head_dim_k: int, head_d
         for name in ("dsa_latent", "dsa_index"):
             if not torch.equal(member[name], first[name]):
                 raise RuntimeError(f"{name}: tp rank {index} holds other rows than tp rank 0 (they are replicated)")
-    widths = _conv_widths(first["kda_state"].shape[1], head_dim_k, head_dim_v)
+    widths = _conv_widths(first["kda_state"].shape[1], head_dim_k, head_dim_v, first["kda_conv"])
     conv_parts = [member["kda_conv"].split(widths, dim=1) for member in members]  # per rank: (q, k, v)
     conv = torch.cat([torch.cat([parts[p] for parts in conv_parts], dim=1) for p in range(3)], dim=1)
     return {"dsa_latent": first["dsa_latent"], "dsa_index": first["dsa_index"],
@@ -81,8 +86,8 @@ def slice_heads(rows: dict[str, torch.Tensor], index: int, parts: int, head_dim_
     if heads % parts:
         raise ValueError(f"parallel.tensor_parallel_size: ({parts}) must divide the KDA heads ({heads})")
     local = heads // parts
-    own = [part.chunk(parts, dim=1)[index] for part in rows["kda_conv"].split(_conv_widths(heads, head_dim_k,
-                                                                                          head_dim_v), dim=1)]
+    widths = _conv_widths(heads, head_dim_k, head_dim_v, rows["kda_conv"])
+    own = [part.chunk(parts, dim=1)[index] for part in rows["kda_conv"].split(widths, dim=1)]
     return {"dsa_latent": rows["dsa_latent"], "dsa_index": rows["dsa_index"],
             "kda_state": rows["kda_state"][:, index * local:(index + 1) * local].contiguous(),
             "kda_conv": torch.cat(own, dim=1).contiguous()}

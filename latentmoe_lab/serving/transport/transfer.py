@@ -1,9 +1,11 @@
 """The connector: one request's cache from a prefill engine's pools into a decode engine's (docs/design.md §13.1).
 
 Boundary rule: the prefill side computes all N prompt tokens and samples the first token; what travels
-is the state after N (DSA rows of tokens 0..N-1, KDA state and conv tail after token N-1), the first
-token and the generator after its draw. The decode side enters the sequence with num_computed = N and
-token_ids = prompt + [first token], so its first step is an ordinary decode of the first token.
+is the state after N (DSA rows of tokens 0..N-1, KDA state and conv tail after token N-1, and with an MTP
+head the hidden row at N-1, spec/hidden_rows.py), the first token and the generator after its draw. The
+decode side enters the sequence with num_computed = N and token_ids = prompt + [first token], so its first
+step is an ordinary decode of the first token; a speculating decode engine proposes its drafts at the
+import (the MTP drafter from the carried row), so that step verifies them.
 
     prefill engine                                       decode engine
     prefill_step(engine) -> (outputs, [RequestCache])    import_request(engine, cache) -> request id
@@ -17,11 +19,15 @@ A held request is out of the scheduler: no step touches its rows, so export_requ
 """
 from __future__ import annotations
 
+import torch
+
+from latentmoe_lab.quant.kv import PLAIN_DTYPES
 from latentmoe_lab.serving.failures import StepError
 from latentmoe_lab.serving.sequence import Sequence, Status
 from latentmoe_lab.serving.spec.slots import acquire_slots, release_slots
 from latentmoe_lab.serving.transport.pool_rows import flat_positions
-from latentmoe_lab.serving.transport.request_cache import RequestCache, check_compatible, engine_identity
+from latentmoe_lab.serving.transport.request_cache import (RequestCache, check_compatible, compute_dtype_name,
+                                                           engine_identity)
 
 
 class NoRoomError(RuntimeError):
@@ -84,7 +90,19 @@ def export_request(engine, request_id: int) -> RequestCache:
         held[request_id] = (engine.detach(request_id), engine.block_manager)
     return RequestCache(request_id, list(seq.prompt_ids), seq.token_ids[-1], seq.params, seq.max_tokens,
                         engine_identity(engine), seq.generator.get_state(), logprobs=list(seq.logprobs),
-                        prompt_logprobs=list(seq.prompt_logprobs), **rows)
+                        prompt_logprobs=list(seq.prompt_logprobs), mtp_hidden=exported_hidden_row(engine, seq.slot),
+                        **rows)
+
+
+def exported_hidden_row(engine, slot: int) -> torch.Tensor:
+    """[1, hidden]: the MTP hidden row kept beside the request's slot (the row of its last prompt position,
+    spec/hidden_rows.py); [0, hidden] for a model without an MTP head."""
+    if engine.slot_hidden is None:
+        return torch.zeros(0, engine.model_config.hidden_size, dtype=PLAIN_DTYPES[compute_dtype_name(engine.config)])
+    row = engine.slot_hidden.stored(slot)
+    if row is None:  # every step writes its sequences' rows: a request at the boundary always has one
+        raise RuntimeError(f"slot {slot}: no MTP hidden row after the prefill step")
+    return row[None]
 
 
 def held_requests(engine) -> list[int]:
@@ -138,7 +156,7 @@ def import_request(engine, cache: RequestCache) -> int:
     (slot, *spares), blocks = acquire_slots(manager, slots_needed), manager.allocate_blocks(blocks_needed)
     positions = flat_positions(blocks, manager.block_size, n)
     try:
-        engine.runner.write_rows(positions, slot, cache.tensors())  # with workers, each rank its layers and heads
+        engine.runner.write_rows(positions, slot, cache.pool_rows())  # with workers, each rank its layers and heads
     except BaseException:  # a worker group lost mid-write (WorkerGroupError): nothing stays held
         manager.release_blocks(blocks)
         for held_slot in (slot, *spares):
@@ -156,5 +174,10 @@ def import_request(engine, cache: RequestCache) -> int:
         seq.token_times.append(seq.arrival_time)
         return seq
 
-    return engine.adopt(make_sequence).request_id
+    if engine.slot_hidden is not None:  # in the engine's process, beside the slot it continues from
+        engine.slot_hidden.write(slot, cache.mtp_hidden[0])
+    seq = engine.adopt(make_sequence)
+    if engine.speculator is not None:  # drafts for its first step, the MTP ones from the carried row
+        engine.speculator.start_imported(seq, None if engine.slot_hidden is None else engine.slot_hidden.read(slot))
+    return seq.request_id
 

@@ -17,7 +17,8 @@ the next step). parallel_runner.WorkerGroup starts pp * tp * ep of them; each
               of a stage; it reports the bytes it allocated with "ready"
     loops     rank 0 takes a step from the engine's pipe and broadcasts it (a header object, then the
               ForwardBatch's index tensors as one flat int64 tensor, then the image features); every
-              rank applies the step's KDA slot copies and runs its part of the forward; the answer rank
+              rank applies the step's KDA slot copies and EPLB switches (staging the next layers on a
+              side thread, parallel/eplb/migration.py) and runs its part of the forward; the answer rank
               (the first of the last stage) sends back the logits with its forward and collective
               seconds (parallel/comm.py's timeline) and its resident memory, every other rank those
               figures alone. A step with a hidden_index (the MTP drafter's, docs/design.md §12) also
@@ -47,6 +48,7 @@ from latentmoe_lab.model import LatentMoEForCausalLM
 from latentmoe_lab.parallel.comm import Comm, CollectiveError
 from latentmoe_lab.parallel.config import ParallelConfig
 from latentmoe_lab.parallel.eplb.load import moe_layers
+from latentmoe_lab.parallel.eplb.migration import SlotMigrator
 from latentmoe_lab.parallel.expert import ParallelMoE
 from latentmoe_lab.parallel.mesh import ProcessMesh, coords_rank
 from latentmoe_lab.parallel.sequence import SequenceLayout
@@ -223,6 +225,8 @@ def exchange_rows(pools, rank: int, header: dict) -> dict[str, tuple]:
 
 
 def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_s: float) -> None:
+    # EPLB: layers staged on a side thread with one step, switched at the next one's start (parallel/eplb/migration.py)
+    migrator = SlotMigrator(getattr(forward.model, "expert_slots", {}))
     while True:
         message = None
         if rank == 0:
@@ -235,6 +239,7 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
                            None if message[2] is None else torch.from_numpy(message[2]))
         header, flat, features = broadcast_message(rank, message)
         if header["kind"] == "stop":
+            migrator.close()
             return
         if header["kind"] == "ping":
             continue
@@ -243,10 +248,8 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
             continue
         for src, dst in header["copies"]:
             pools.copy_slot(src, dst)
-        slots = getattr(forward.model, "expert_slots", {})
-        # EPLB migration before the forward, the same layers on every rank (the header is broadcast)
-        moved = sum(slots[layer].migrate(torch.tensor(row)) for layer, row in header.get("eplb", {}).items()
-                    if layer in slots)
+        # before the forward, the same layers on every rank (the header is broadcast)
+        moved = migrator.apply(header.get("eplb", {}))
         batch = unpack_batch(header, flat, features)
         start = time.perf_counter()
         output = forward(batch, pools)  # None on a pipeline stage before the last
@@ -255,7 +258,7 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
         # every rank's own seconds, for its rank="r" series, and its resident memory (a soak watches it)
         seconds = (time.perf_counter() - start, collective, resident_bytes())
         # routed tokens per logical expert of this stage's MoE layers [L_stage, E] (every EP rank routes every
-        # token, so any rank's are the stage's), the bytes this step's migration copied here, and the
+        # token, so any rank's are the stage's), the bytes copied here for the layers this step switched, and the
         # (token, expert) pairs this rank's experts computed since the group started
         counts = [m.last_expert_counts for m in moe_layers(forward.model)]
         load = {"counts": (torch.stack(counts) if counts

@@ -48,12 +48,13 @@ class ServingStage:
 
 
 def stage_config(config: ModelConfig, layers: range, tp: int) -> ModelConfig:
-    """The cache-shaping part of one device's share: the stage's layer types, KDA / MLA heads / tp."""
+    """The cache-shaping part of one device's share: the stage's layer types, KDA / MLA heads / tp. No MTP
+    head: it runs in the engine's process, which keeps the hidden rows its drafter starts from."""
     from latentmoe_lab.parallel.tensor import local_config
 
     local = local_config(config, tp)
     return local.replace(num_layers=len(layers), layer_types=[config.layer_types[i] for i in layers],
-                         first_dense_layers=min(config.first_dense_layers, len(layers)))
+                         first_dense_layers=min(config.first_dense_layers, len(layers)), mtp_depth=0)
 
 
 def plan_stages(config, service, pconfig: ParallelConfig) -> list[ServingStage]:
