@@ -1,7 +1,7 @@
 """Issue 44's training levers, each measured against the code before it in one run (loaded-machine figures).
 
-Levers, and the files each changed ("before" is that file set as committed at HEAD, copied over a copy of this
-working tree, so every other change in the tree is on both sides):
+Levers, and the files each changed ("before" is that file set as of --base, by default 103ae49, the commit before
+the levers, copied over a copy of this working tree, so every other change in the tree is on both sides):
     kda  the intra-chunk decays and one-block scores as one autograd node (ops/kda_intra.py
          chunk_decays_and_scores; its call sites in ops/kda.py and ops/kda_compiled.py), and halved chunks taking
          the grown form on 8-token blocks (PAIRWISE_SIZE 4, was 8)
@@ -87,12 +87,12 @@ print(json.dumps({"package": latentmoe_lab.__file__, "step_s": step_s, "cpu_s": 
 """
 
 
-def build_tree(into: Path, reverted: tuple[str, ...]) -> Path:
-    """A copy of this working tree's package with the reverted levers' files as committed at HEAD."""
+def build_tree(into: Path, reverted: tuple[str, ...], base: str) -> Path:
+    """A copy of this working tree's package with the reverted levers' files as of commit `base`."""
     shutil.copytree(ROOT / "latentmoe_lab", into / "latentmoe_lab", ignore=shutil.ignore_patterns("__pycache__"))
     for lever in reverted:
         for path in LEVERS[lever]:
-            text = subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
+            text = subprocess.run(["git", "show", f"{base}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
             (into / path).write_bytes(text)
     return into
 
@@ -273,9 +273,12 @@ def default_runs(trees: dict, steps: int | None) -> dict:
             log = open(Path(out_root) / f"{name}.log", "w")  # (a file, not a pipe: tqdm would fill a pipe)
             runs[name] = (time.perf_counter(), log, subprocess.Popen(command, env=tree_env(trees[name], 1),
                                                                      cwd=trees[name], stdout=log, stderr=log))
-        result = {}
-        for name, (started, log, process) in runs.items():
-            _, status, usage = os.wait4(process.pid, 0)
+        result, names = {}, {process.pid: name for name, (_, _, process) in runs.items()}
+        while names:  # in the order they finish, so that each wall time is its own
+            pid, status, usage = os.wait4(-1, 0)
+            name = names.pop(pid)
+            started, log, process = runs[name]
+            process.returncode = status  # (reaped here, not by Popen)
             wall = time.perf_counter() - started
             log.close()
             if status:
@@ -297,6 +300,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed train steps per probe (default 4)")
     parser.add_argument("--inprocess-steps", type=int, default=12, help="timed steps of each in-process trainer "
                         "(default 12)")
+    parser.add_argument("--base", default="103ae49", help="the commit whose lever files are the \"before\" "
+                        "(default 103ae49, the last one before the levers)")
     parser.add_argument("--parts", default="ops,inprocess,step", help="which of ops, inprocess, step to run "
                         "(comma-separated; default all three)")
     parser.add_argument("--run", action="store_true", help="also the default train run, before and after together")
@@ -315,7 +320,7 @@ def main() -> None:
     if "inprocess" in parts:
         result["inprocess"] = inprocess_steps(args.inprocess_steps)
     with tempfile.TemporaryDirectory(prefix="levers_trees_") as tree_root:
-        trees = {name: build_tree(Path(tree_root) / name, reverted) for name, reverted in TREES.items()}
+        trees = {name: build_tree(Path(tree_root) / name, reverted, args.base) for name, reverted in TREES.items()}
         if "step" in parts:
             result["step"] = train_steps(trees, args.rounds, args.steps)
         if args.run:
