@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from bench_train_parts import ComponentTimer, dense_like, heldout_bits_per_byte, matmul_gflops, model_flops_per_token
-from bench_train_race import corpus_rows, flops_race
+from bench_train_race import RACERS, corpus_rows, flops_race
 from bench_train_steps import DENSE_LR, dense_trainer, mini_trainer
 from common import apply_threads, machine_info, make_parser, write_json
 
@@ -181,6 +181,14 @@ def _learning_rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def _racers(text: str) -> tuple[str, ...]:
+    """'mini,dense_active' -> ("mini", "dense_active"), each one of bench_train_race.RACERS."""
+    names = tuple(text.split(","))
+    if not all(name in RACERS for name in names):
+        raise argparse.ArgumentTypeError(f"each model must be one of {', '.join(RACERS)}; got {text!r}")
+    return names
+
+
 def main() -> None:
     parser = make_parser(__doc__, default_threads=None, full_doc=True)
     defaults = PRESET_DEFAULTS["mini"]
@@ -193,8 +201,10 @@ def main() -> None:
     parser.add_argument("--flops-steps", type=int, default=0, help="race mini for this many steps against the "
                         "dense models sized to its active and total parameters, at its training FLOPs (default: 0, "
                         "no race; bench_train_race.py)")
-    parser.add_argument("--k3", action="store_true", help="with --flops-steps: also mini with K3's SiTU activation "
-                        "and quantile bias rule")
+    parser.add_argument("--race", type=_racers, default=("mini", "dense_active", "dense_total"),
+                        help="with --flops-steps: comma-separated models, of " + ", ".join(RACERS) + " (default: "
+                        "mini,dense_active,dense_total; mini_situ_quantile: K3's SiTU activation and quantile bias "
+                        "rule; twin_*: mini with a dense SwiGLU FFN in every layer)")
     parser.add_argument("--dense-lr", type=_learning_rates, default=(DENSE_LR,), help="with --flops-steps: "
                         f"comma-separated peak learning rates for each dense model, best raced (default: {DENSE_LR:g})")
     parser.add_argument("--eval-rows", type=int, default=64, help="held-out rows per evaluation (default: 64)")
@@ -213,7 +223,7 @@ def main() -> None:
     if args.minutes > 0:
         result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, rows)
     if args.flops_steps > 0:
-        result["flops_race"] = flops_race(config, args.batch, args.seq_len, args.flops_steps, rows, args.k3,
+        result["flops_race"] = flops_race(config, args.batch, args.seq_len, args.flops_steps, rows, args.race,
                                           args.dense_lr)
     result["machine"] = machine_info(quick=args.quick, loadavg_before=load_before, loadavg_after=os.getloadavg())
     report(result)

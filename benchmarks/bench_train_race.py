@@ -1,16 +1,25 @@
-"""The quality race at equal training FLOPs: mini against a dense model with mini's active parameters and one
-with mini's total parameters, and the plot of every held-out curve bench_train.py writes.
+"""The quality race at equal training FLOPs: mini against dense models with mini's active and with its total
+parameters, and the plot of every held-out curve bench_train.py writes.
+
+The racers (RACERS): mini; mini_situ_quantile (K3's SiTU activation and quantile bias rule); dense_active /
+dense_total, torch transformers (DenseCausalLM) of mini's depth; twin_active / twin_total, mini with a dense
+SwiGLU FFN in every layer instead of the MoE, which isolates what the experts buy.
 
 FLOPs are counted as model_flops_per_token (bench_train_parts: 6 x active matmul parameters + 6 x attention
 MACs, per token) x tokens, tokens = steps x batch x seq_len. The budget is mini's: --flops-steps steps of
-mini at the batch. Each dense model takes round(budget / its FLOPs per step) steps, with the same batches in
+mini at the batch. Each other model takes round(budget / its FLOPs per step) steps, with the same batches in
 the same order, a warm-up of the same share of its run and a cosine to 10% at its last step; each model is
 evaluated on the same held-out rows at 1/4, 2/4, 3/4 and 4/4 of its steps, so at matching FLOPs (within
 half a step). Steps are fixed, so the curves do not depend on the machine's load; only train_s does.
-mini trains at the train preset's lr; each dense model at every lr of --dense-lr, the best one raced.
+mini, its variant and its twins train at the train preset's lr; each dense transformer at every lr of
+--dense-lr, the best one raced.
 
-    python benchmarks/bench_train_race.py benchmarks/bench_train.json benchmarks/bench_train_2threads.json
-        # -> benchmarks/bench_train_race.html: bits/byte against training FLOPs and against minutes
+    python benchmarks/bench_train.py --threads 1 --flops-steps 450 --race mini,twin_active,twin_total
+    python benchmarks/bench_train_race.py benchmarks/bench_train_race.json benchmarks/bench_train_race_twins.json \
+        benchmarks/bench_train_race_8min.json benchmarks/bench_train_race_8min_2threads.json \
+        benchmarks/bench_train_race_2threads.json
+        # -> benchmarks/bench_train_race.html (git-ignored, like every *.html): bits/byte against training
+        #    FLOPs and against minutes
 """
 from __future__ import annotations
 
@@ -25,7 +34,7 @@ from bench_train_steps import DENSE_LR, dense_trainer, mini_trainer
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig
 from latentmoe_lab.training.corpus import batch_rows, load_corpus, pack
-from latentmoe_lab.training.lm import PRESET_DEFAULTS, warmup_cosine
+from latentmoe_lab.training.lm import PRESET_DEFAULTS
 
 # d_model and heads of the dense models; 4 layers each, mini's depth. The feed-forward width is solved
 # so that the count matches (dense_sized): ff 952 for 2.61M active, ff 1536 (= 4 d) for 7.25M total.
@@ -87,35 +96,60 @@ def k3_config(config: ModelConfig) -> ModelConfig:
     return config.replace(moe=moe)
 
 
-def flops_race(config: ModelConfig, batch: int, seq_len: int, mini_steps: int, rows, k3: bool = False,
+def twin_config(config: ModelConfig, target: float) -> ModelConfig:
+    """mini's dense twin: the same embedding, attention stack and norms, a SwiGLU FFN in every layer instead of
+    the MoE, its width (a multiple of 8) giving the active parameter count nearest `target`. The count is
+    linear in the width, so two probe widths give its slope and offset."""
+    def active(width: int) -> float:
+        probe = LatentMoEForCausalLM(config.replace(first_dense_layers=config.num_layers,
+                                                    dense_intermediate_size=width))
+        return model_flops_per_token(probe, 128)["active_parameters"]
+
+    low, high = active(8), active(16)
+    width = max(8, round((target - low) / ((high - low) / 8) / 8) * 8 + 8)
+    return config.replace(first_dense_layers=config.num_layers, dense_intermediate_size=width)
+
+
+# What --race can name: mini, mini with K3's switches, the dense transformers (DenseCausalLM, DENSE_SHAPES) and
+# mini's dense twins (twin_config), sized to mini's active or total parameters.
+RACERS = ("mini", "mini_situ_quantile", "dense_active", "dense_total", "twin_active", "twin_total")
+
+
+def flops_race(config: ModelConfig, batch: int, seq_len: int, mini_steps: int, rows,
+               racers: tuple[str, ...] = ("mini", "dense_active", "dense_total"),
                dense_lrs: tuple[float, ...] = (DENSE_LR,)) -> dict:
-    """Held-out bits/byte against training FLOPs of mini, dense_active and dense_total (and, with k3, mini with
-    K3's switches), each trained to mini's FLOPs in `mini_steps` steps of batch x seq_len; rows: corpus_rows.
-    Each dense model is trained once per peak learning rate in dense_lrs; its run with the lowest final
-    bits/byte is the one raced ("lr_sweep" keeps every final figure)."""
+    """Held-out bits/byte against training FLOPs of each of `racers` (RACERS), each trained to mini's FLOPs in
+    `mini_steps` steps of batch x seq_len; rows: corpus_rows. mini, its K3 variant and its twins train at the
+    train preset's lr; each dense transformer once per peak lr in dense_lrs, its run with the lowest final
+    bits/byte raced ("lr_sweep" keeps every final figure). ratios: each mini over each other racer, at budget."""
+    unknown = sorted(set(racers) - set(RACERS))
+    if unknown:
+        raise ValueError(f"racers: {unknown} are not among {RACERS}")
     defaults = PRESET_DEFAULTS["mini"]
     sizes = mini_parameters(config)
     mini_flops = model_flops_per_token(LatentMoEForCausalLM(config), seq_len)["flops_per_token"]
     budget = mini_steps * batch * seq_len * mini_flops
-    entries = [("mini", config, (defaults["lr"],))] + ([("mini_situ_quantile", k3_config(config), (defaults["lr"],))]
-                                                      if k3 else [])
+    specs = {"mini": config, "mini_situ_quantile": k3_config(config),
+             "twin_active": twin_config(config, sizes["active"]), "twin_total": twin_config(config, sizes["total"])}
     for name, (count, d_model, heads) in DENSE_SHAPES.items():
-        entries.append((name, lambda t=sizes[count], d=d_model, h=heads: dense_sized(
-            config.vocab_size, seq_len, t, d, h), dense_lrs))
+        specs[name] = lambda t=sizes[count], d=d_model, h=heads: dense_sized(config.vocab_size, seq_len, t, d, h)
     out = {"budget_flops": budget, "mini_steps": mini_steps, "batch": batch, "seq_len": seq_len,
            "mini_parameters": sizes, "models": {}, "lr_sweep": {}}
-    for name, spec, lrs in entries:
-        runs = [_race_one(name, spec, lr, budget, mini_steps, batch, rows) for lr in lrs]
+    for name in racers:
+        lrs = dense_lrs if name in DENSE_SHAPES else (defaults["lr"],)
+        runs = [_race_one(name, specs[name], lr, budget, mini_steps, batch, rows) for lr in lrs]
         out["models"][name] = min(runs, key=lambda run: run["curve"][-1]["bits_per_byte"])
         out["lr_sweep"][name] = {f"{run['lr']:g}": run["curve"][-1]["bits_per_byte"] for run in runs}
     final = {name: run["curve"][-1]["bits_per_byte"] for name, run in out["models"].items()}
-    out["ratios"] = {f"{sparse}_over_{dense}": final[sparse] / final[dense]
-                     for sparse in final if sparse.startswith("mini") for dense in DENSE_SHAPES}
+    sparse = [name for name in final if name.startswith("mini")]
+    out["ratios"] = {f"{mini}_over_{other}": final[mini] / final[other]
+                     for mini in sparse for other in final if other not in sparse}
     return out
 
 
 def _race_one(name: str, spec, lr: float, budget: float, mini_steps: int, batch: int, rows) -> dict:
-    """One model trained to `budget` FLOPs at peak lr `lr`; spec: a ModelConfig (mini) or a dense builder."""
+    """One model trained to `budget` FLOPs at peak lr `lr`; spec: a ModelConfig (mini, its variants and twins)
+    or a dense transformer's builder."""
     train_rows, held = rows
     seq_len = held.shape[1]
     is_mini = isinstance(spec, ModelConfig)
@@ -125,7 +159,7 @@ def _race_one(name: str, spec, lr: float, budget: float, mini_steps: int, batch:
     if is_mini:
         model, step = mini_trainer(spec, lr, warmup, steps)
         evaluate = lambda: heldout_bits_per_byte(lambda ids: model(ids, labels=ids).loss, held)  # noqa: E731
-        shape = {}
+        shape = {"dense_intermediate_size": spec.dense_intermediate_size} if name.startswith("twin") else {}
     else:
         model, step = dense_trainer(spec, lr, warmup, steps)
         evaluate = lambda: heldout_bits_per_byte(model.loss, held)  # noqa: E731
@@ -139,27 +173,30 @@ def _race_one(name: str, spec, lr: float, budget: float, mini_steps: int, batch:
 
 
 def figure(runs: dict[str, dict]):
-    """Two panels: held-out bits/byte against training FLOPs (the first run's FLOPs race) and against
-    training minutes (every run's wall-clock race). runs: label -> a bench_train.py result."""
+    """Two panels: held-out bits/byte against training FLOPs (every FLOPs race; a model raced in several runs
+    drawn once, from its run with the lowest final bits/byte) and against training minutes (every run's
+    wall-clock race). runs: label -> a bench_train.py result."""
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("at equal training FLOPs (fixed steps)",
                                                         "at equal wall-clock minutes"))
-    race = next((run["flops_race"] for run in runs.values() if "flops_race" in run), None)
-    for name, model in (race or {"models": {}})["models"].items():
+    best: dict[str, dict] = {}
+    for run in runs.values():
+        for name, model in run.get("flops_race", {}).get("models", {}).items():
+            if name not in best or model["curve"][-1]["bits_per_byte"] < best[name]["curve"][-1]["bits_per_byte"]:
+                best[name] = model
+    for name, model in best.items():
         curve = model["curve"]
         fig.add_trace(_line([c["flops"] / 1e12 for c in curve], [c["bits_per_byte"] for c in curve],
-                            f"{name} ({model['active_parameters'] / 1e6:.2f}M active, {model['steps']} steps)"),
-                      row=1, col=1)
-    for label, run in runs.items():
-        if "quality" not in run:
-            continue
+                            f"{name} ({model['active_parameters'] / 1e6:.2f}M active, {model['steps']} steps, "
+                            f"lr {model['lr']:g})"), row=1, col=1)
+    wall_races = [(label, run) for label, run in runs.items() if "quality" in run]
+    for (label, run), dash in zip(wall_races, ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")):
         load = run["machine"]["loadavg_before"][0]
-        for name in ("mini", "dense"):
+        for name, color in (("mini", "#1f77b4"), ("dense", "#d62728")):  # one colour per model, one dash per run
             curve = run["quality"][name]
             fig.add_trace(_line([c["train_s"] / 60 for c in curve], [c["bits_per_byte"] for c in curve],
-                                f"{name}, {label} (load {load:.1f})", dash=run["machine"]["threads"] > 1),
-                          row=1, col=2)
+                                f"{name}, {label} (load {load:.1f})", {"dash": dash, "color": color}), row=1, col=2)
     fig.update_xaxes(title_text="training TFLOP (model_flops_per_token x tokens)", row=1, col=1)
     fig.update_xaxes(title_text="training minutes", row=1, col=2)
     fig.update_yaxes(title_text="held-out bits per byte", row=1, col=1)
@@ -167,10 +204,10 @@ def figure(runs: dict[str, dict]):
     return fig
 
 
-def _line(x, y, name: str, dash: bool = False):
+def _line(x, y, name: str, line: dict | None = None):
     import plotly.graph_objects as go
 
-    return go.Scatter(x=x, y=y, name=name, mode="lines+markers", line={"dash": "dash" if dash else "solid"})
+    return go.Scatter(x=x, y=y, name=name, mode="lines+markers", line=line or {})
 
 
 def main() -> None:
@@ -179,8 +216,8 @@ def main() -> None:
     from latentmoe_lab.report import Captioned, Data, write_html_report
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="bench_train.py JSON files (the FLOPs race drawn is "
-                        "the first file's that has one)")
+    parser.add_argument("results", nargs="+", type=Path, help="bench_train.py JSON files (a model raced in "
+                        "several is drawn from the run where it ended lowest)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("bench_train_race.html"),
                         help="the HTML page (default: bench_train_race.html here)")
     args = parser.parse_args()
@@ -189,8 +226,8 @@ def main() -> None:
         run = json.loads(path.read_text())
         threads = run["machine"]["threads"]
         runs[f"{path.stem}, {threads} thread{'s' if threads > 1 else ''}"] = run
-    caption = ("Left: fixed steps, so load-independent. Right: each model trained for the same minutes on this "
-               "machine at the load shown; dashed lines are 2 threads.")
+    caption = ("Left: fixed steps, so load-independent. Right: mini (blue) and the dense reference (red) trained "
+               "for the same minutes, steps interleaved, at the load shown; one dash style per run.")
     page = write_html_report(args.out, "mini against dense: held-out bits per byte",
                              [Captioned(figure(runs), caption), Data("runs", runs)])
     print(f"plot: {page}")
