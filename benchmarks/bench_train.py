@@ -21,7 +21,9 @@ spike on a shared machine hits both, medians over --steps:
 batch, lr 1e-3) for M minutes of training time each on the standard-library corpus, their steps interleaved
 (the one with less training time so far steps next, so load swings hit both), each with its cosine decay
 ending at M minutes (`timed_cosine`), and evaluates both on the same held-out rows (bits per byte) every
-M/4 minutes. Minutes still depend on the machine: on a loaded one, read the ratio, not the figures.
+M/4 minutes. Minutes still depend on the machine: on a loaded one, read the ratio, not the figures. With
+--race, its mini-family members (mini, mini_situ_quantile, twin_active, twin_total) all race the dense model:
+    python benchmarks/bench_train.py --threads 1 --minutes 8 --race mini,mini_situ_quantile,twin_active
 
 --flops-steps N trains mini for N steps and two dense models (bench_train_race.DENSE_SHAPES), one with mini's
 active parameters and one with its total, each for the steps that spend mini's training FLOPs (model FLOPs
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import torch
 from bench_train_parts import ComponentTimer, dense_like, heldout_bits_per_byte, matmul_gflops, model_flops_per_token
-from bench_train_race import RACERS, corpus_rows, flops_race
+from bench_train_race import MINI_FAMILY, RACERS, corpus_rows, flops_race, mini_family
 from bench_train_steps import DENSE_LR, dense_trainer, mini_trainer
 from common import apply_threads, machine_info, make_parser, write_json
 
@@ -129,22 +131,28 @@ def timed_cosine(warmup: int, seconds: float, clock, min_ratio: float = 0.1):
     return factor
 
 
-def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, rows) -> dict:
-    """Held-out bits/byte against training time of mini and the dense reference, `minutes` of training each on
-    the stdlib corpus, their steps interleaved: the model with less training time so far takes the next step,
-    so a load swing on a shared machine hits both alike. Each has the train preset's warm-up and a cosine decay
-    ending at `minutes` of its own training time (timed_cosine); evaluations are not training time. rows:
-    bench_train_race.corpus_rows."""
+def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, rows,
+            family: tuple[str, ...] = ("mini",)) -> dict:
+    """Held-out bits/byte against training time of mini (and the other `family` members: bench_train_race.MINI_FAMILY,
+    mini with K3's switches or its dense twins) and the dense reference, `minutes` of training each on the stdlib
+    corpus, their steps interleaved: the model with the least training time so far takes the next step, so a load
+    swing on a shared machine hits all alike. Each has the train preset's warm-up and a cosine decay ending at
+    `minutes` of its own training time (timed_cosine); evaluations are not training time. rows:
+    bench_train_race.corpus_rows. ratios: each family member's final bits/byte over the dense reference's."""
     from latentmoe_lab.training.corpus import batch_rows
 
     train_rows, picked = rows
     defaults, seconds = PRESET_DEFAULTS["mini"], minutes * 60
-    trained = {"mini": 0.0, "dense": 0.0}
-    mini, mini_step = mini_trainer(config, defaults["lr"], defaults["warmup"], 0,
-                                   timed_cosine(defaults["warmup"], seconds, lambda: trained["mini"]))
+    specs = mini_family(config, family)
+    trained = dict.fromkeys([*specs, "dense"], 0.0)
+    runs = {}
+    for name, spec in specs.items():
+        model, step = mini_trainer(spec, defaults["lr"], defaults["warmup"], 0,
+                                   timed_cosine(defaults["warmup"], seconds, lambda name=name: trained[name]))
+        runs[name] = (model, step, lambda ids, model=model: model(ids, labels=ids).loss)
     dense, dense_step = dense_trainer(lambda: dense_like(config, seq_len), DENSE_LR, defaults["warmup"], 0,
                                       timed_cosine(defaults["warmup"], seconds, lambda: trained["dense"]))
-    runs = {"mini": (mini, mini_step, lambda ids: mini(ids, labels=ids).loss), "dense": (dense, dense_step, dense.loss)}
+    runs["dense"] = (dense, dense_step, dense.loss)
     steps = dict.fromkeys(runs, 0)
     checkpoints = {name: [seconds * k / 4 for k in (1, 2, 3, 4)] for name in runs}
     out = {name: [] for name in runs}
@@ -166,7 +174,9 @@ def quality(config: ModelConfig, batch: int, seq_len: int, minutes: float, rows)
             print(f"  {name}: {trained[name] / 60:.1f} min, {steps[name]} steps, held-out "
                   f"{out[name][-1]['bits_per_byte']:.3f} bits/byte", flush=True)
     out["loadavg"] = {"before": load_before, "after": os.getloadavg()}
-    out["mini_over_dense"] = out["mini"][-1]["bits_per_byte"] / out["dense"][-1]["bits_per_byte"]
+    out["ratios"] = {f"{name}_over_dense": out[name][-1]["bits_per_byte"] / out["dense"][-1]["bits_per_byte"]
+                     for name in specs}
+    out["mini_over_dense"] = out["ratios"].get("mini_over_dense")
     return out
 
 
@@ -201,10 +211,11 @@ def main() -> None:
     parser.add_argument("--flops-steps", type=int, default=0, help="race mini for this many steps against the "
                         "dense models sized to its active and total parameters, at its training FLOPs (default: 0, "
                         "no race; bench_train_race.py)")
-    parser.add_argument("--race", type=_racers, default=("mini", "dense_active", "dense_total"),
+    parser.add_argument("--race", type=_racers, default=None,
                         help="with --flops-steps: comma-separated models, of " + ", ".join(RACERS) + " (default: "
                         "mini,dense_active,dense_total; mini_situ_quantile: K3's SiTU activation and quantile bias "
-                        "rule; twin_*: mini with a dense SwiGLU FFN in every layer)")
+                        "rule; twin_*: mini with a dense SwiGLU FFN in every layer); with --minutes, its members of "
+                        + ", ".join(MINI_FAMILY) + " race the dense reference (default: mini)")
     parser.add_argument("--dense-lr", type=_learning_rates, default=(DENSE_LR,), help="with --flops-steps: "
                         f"comma-separated peak learning rates for each dense model, best raced (default: {DENSE_LR:g})")
     parser.add_argument("--eval-rows", type=int, default=64, help="held-out rows per evaluation (default: 64)")
@@ -213,6 +224,8 @@ def main() -> None:
                         "(compiled.compile_training, inductor): compile time, step, eager / compiled ratio")
     args = parser.parse_args()
     apply_threads(args)
+    args.race_given = args.race is not None
+    args.race = args.race or ("mini", "dense_active", "dense_total")
     if args.quick:
         args.batch, args.seq_len, args.steps = 4, 64, 2
         args.flops_steps = min(args.flops_steps, 4)
@@ -221,7 +234,8 @@ def main() -> None:
     result = {"speed": speed(config, args.batch, args.seq_len, args.steps, args.split, args.compile)}
     rows = corpus_rows(args.seq_len, args.eval_rows) if args.minutes > 0 or args.flops_steps > 0 else None
     if args.minutes > 0:
-        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, rows)
+        family = tuple(name for name in args.race if name in MINI_FAMILY) if args.race_given else ("mini",)
+        result["quality"] = quality(config, args.batch, args.seq_len, args.minutes, rows, family)
     if args.flops_steps > 0:
         result["flops_race"] = flops_race(config, args.batch, args.seq_len, args.flops_steps, rows, args.race,
                                           args.dense_lr)
@@ -251,8 +265,10 @@ def report(result: dict) -> None:
         print(f"    {key:36s} {100 * share:5.1f}%")
     if "quality" in result:
         q = result["quality"]
-        print(f"held-out bits/byte after {q['mini'][-1]['train_s'] / 60:.1f} min: mini {q['mini'][-1]['bits_per_byte']:.3f}, "
-              f"dense {q['dense'][-1]['bits_per_byte']:.3f} (mini / dense {q['mini_over_dense']:.3f})")
+        names = [*(key.removesuffix("_over_dense") for key in q["ratios"]), "dense"]
+        finals = ", ".join(f"{name} {q[name][-1]['bits_per_byte']:.3f}" for name in names)
+        print(f"held-out bits/byte after {q['dense'][-1]['train_s'] / 60:.1f} min: {finals} ("
+              + ", ".join(f"{name} {ratio:.3f}" for name, ratio in q["ratios"].items()) + ")")
     if "flops_race" in result:
         race = result["flops_race"]
         finals = [f"{name} {run['curve'][-1]['bits_per_byte']:.3f} ({run['steps']} steps)"

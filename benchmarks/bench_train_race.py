@@ -113,6 +113,16 @@ def twin_config(config: ModelConfig, target: float) -> ModelConfig:
 # What --race can name: mini, mini with K3's switches, the dense transformers (DenseCausalLM, DENSE_SHAPES) and
 # mini's dense twins (twin_config), sized to mini's active or total parameters.
 RACERS = ("mini", "mini_situ_quantile", "dense_active", "dense_total", "twin_active", "twin_total")
+MINI_FAMILY = ("mini", "mini_situ_quantile", "twin_active", "twin_total")  # LatentMoEForCausalLM configs
+
+
+def mini_family(config: ModelConfig, names) -> dict[str, ModelConfig]:
+    """The configs of the MINI_FAMILY racers among `names`, in their order: mini, its K3 variant, its twins."""
+    sizes = mini_parameters(config) if any(name.startswith("twin") for name in names) else {}
+    build = {"mini": lambda: config, "mini_situ_quantile": lambda: k3_config(config),
+             "twin_active": lambda: twin_config(config, sizes["active"]),
+             "twin_total": lambda: twin_config(config, sizes["total"])}
+    return {name: build[name]() for name in names if name in MINI_FAMILY}
 
 
 def flops_race(config: ModelConfig, batch: int, seq_len: int, mini_steps: int, rows,
@@ -129,8 +139,7 @@ def flops_race(config: ModelConfig, batch: int, seq_len: int, mini_steps: int, r
     sizes = mini_parameters(config)
     mini_flops = model_flops_per_token(LatentMoEForCausalLM(config), seq_len)["flops_per_token"]
     budget = mini_steps * batch * seq_len * mini_flops
-    specs = {"mini": config, "mini_situ_quantile": k3_config(config),
-             "twin_active": twin_config(config, sizes["active"]), "twin_total": twin_config(config, sizes["total"])}
+    specs: dict = mini_family(config, racers)
     for name, (count, d_model, heads) in DENSE_SHAPES.items():
         specs[name] = lambda t=sizes[count], d=d_model, h=heads: dense_sized(config.vocab_size, seq_len, t, d, h)
     out = {"budget_flops": budget, "mini_steps": mini_steps, "batch": batch, "seq_len": seq_len,

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from bench_train_parts import model_flops_per_token  # noqa: E402
+from bench_train import quality  # noqa: E402
 from bench_train_race import DENSE_SHAPES, RACERS, dense_sized, flops_race, mini_parameters, twin_config  # noqa: E402
 
 from latentmoe_lab import LatentMoEForCausalLM, ModelConfig  # noqa: E402
@@ -57,3 +58,20 @@ def test_every_racer_spends_minis_flops(mini):
     assert "twin_active_over_dense_active" not in race["ratios"]  # only mini and its K3 variant are raced against
     with pytest.raises(ValueError, match="racers"):
         flops_race(mini, batch, seq_len, 6, rows, racers=("mini", "dense_huge"))
+
+
+def test_the_minute_race_takes_every_family_member_against_the_dense_reference(mini):
+    """--minutes with --race: mini, its K3 variant and its twin each train the same (tiny) time as the dense model,
+    steps interleaved by training time, and are evaluated at each quarter of it."""
+    torch.manual_seed(0)
+    rows = (torch.randint(0, 256, (64, 16)), torch.randint(0, 256, (4, 16)))
+    family = ("mini", "mini_situ_quantile", "twin_active")
+    out = quality(mini, 2, 16, 0.02, rows, family)
+    assert set(out["ratios"]) == {f"{name}_over_dense" for name in family}
+    for name in (*family, "dense"):
+        points = out[name]
+        assert len(points) == 4 and points[-1]["train_s"] >= 0.02 * 60, name
+        assert [p["steps"] for p in points] == sorted(p["steps"] for p in points), name
+    assert out["ratios"]["twin_active_over_dense"] == pytest.approx(out["twin_active"][-1]["bits_per_byte"]
+                                                                    / out["dense"][-1]["bits_per_byte"])
+    assert out["mini_over_dense"] == out["ratios"]["mini_over_dense"]

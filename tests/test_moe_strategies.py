@@ -86,6 +86,8 @@ def test_auto_takes_fused_where_it_applies_and_steps_elsewhere():
     layer = _layer(torch.float32, "realistic")
     z = torch.randn(4, layer.latent_size)
     assert layer.strategy(z) == "fused"
+    with torch.no_grad():  # inference too: the fused forward beats steps and the per-expert loop (bench_moe.py)
+        assert layer.strategy(z) == "fused"
     with batch_invariant.batch_invariant_mode():
         assert layer.strategy(z) == "steps"
         layer.routed_strategy = "fused"
@@ -114,3 +116,20 @@ def test_bad_arguments_are_refused_naming_them():
         call(z, weights, plan_dispatch(torch.tensor([[0, 1], [2, 3]]), 5), experts.w13, experts.w2)
     with pytest.raises(ValueError, match="^tile_rows:"):
         call(z, weights, plan, experts.w13, experts.w2, tile_rows=0)
+
+
+@pytest.mark.parametrize("routing", ROUTING)
+def test_a_fused_forward_without_a_graph_equals_the_recorded_one_and_steps(monkeypatch, routing):
+    """Under no_grad the fused pass reuses one workspace per tile instead of keeping every tile for a backward
+    (its parameters still require grad): the same bits as the recorded forward, and steps' values."""
+    monkeypatch.setattr(routed_experts, "FUSED_TILE_ROWS", 5)
+    layer = _layer(torch.float32, routing)
+    x = torch.randn(3, 7, layer.hidden_size)
+    recorded = layer(x)
+    assert recorded.requires_grad
+    with torch.no_grad():
+        inference = layer(x)
+        layer.routed_strategy = "steps"
+        steps = layer(x)
+    assert torch.equal(inference, recorded.detach())
+    torch.testing.assert_close(inference, steps, **TOL[torch.float32])

@@ -317,3 +317,84 @@ def test_paged_dense_attention_gradients_equal_its_sparse_twin():
     for dense, sparse in zip(grads[1], grads[0]):
         torch.testing.assert_close(dense, sparse, atol=1e-12, rtol=1e-10)
     assert grads[1][2].abs().sum() > 0  # the latent rows do get a gradient
+
+
+# Verify steps of speculative decoding (2-5 rows each) beside a decode and a prefill chunk: contexts below
+# top-k = 32 with every row dense, steps that cross it, and long contexts.
+VERIFY_SEQUENCES = [(3, 4), (10, 2), (29, 5), (30, 3), (64, 4), (100, 2), (7, 1), (0, 12), (131, 5)]
+
+
+def _verify_batch(block_size: int) -> ForwardBatch:
+    """VERIFY_SEQUENCES as one batch; every sequence with more than one new token after a context of at
+    least one is a verify step (spec_slots row set), the fresh 12-token prompt a chunk."""
+    free = list(range(64))
+    random.Random(1).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in VERIFY_SEQUENCES]
+    batch = ForwardBatch.from_sequences([[0] * n for _, n in VERIFY_SEQUENCES], [c for c, _ in VERIFY_SEQUENCES],
+                                        tables, list(range(len(VERIFY_SEQUENCES))), block_size)
+    width = max(n for _, n in VERIFY_SEQUENCES)
+    spec = torch.full((len(VERIFY_SEQUENCES), width), -1, dtype=torch.long)
+    next_slot = len(VERIFY_SEQUENCES)
+    for i, (context, new) in enumerate(VERIFY_SEQUENCES):
+        if context > 0 and new > 1:
+            spec[i, 0] = i
+            spec[i, 1:new] = torch.arange(next_slot, next_slot + new - 1)
+            next_slot += new - 1
+    batch.spec_slots = spec
+    batch.check(num_blocks=64, num_slots=next_slot, max_positions=10_000)
+    return batch
+
+
+@pytest.mark.parametrize("block_size,key_block,query_block", [(16, 16, 64), (7, 20, 3), (64, 2048, 8)])
+@pytest.mark.parametrize("dense_prefix", [False, True])
+@torch.no_grad()
+def test_verify_steps_attend_batched_with_the_selection_of_one_call_each(block_size, key_block, query_block,
+                                                                         dense_prefix, monkeypatch):
+    """"blocks" groups the verify steps into few calls (batched_verify_groups, left_padded_rows). Every real
+    row's indexer selection equals the one-call-per-step path's exactly, and the outputs equal it and the
+    gather twin's; a step longer than query_block keeps its own call."""
+    calls, selected = [], {}
+
+    def record_blocks(q_idx, w, query_pos, block_table, *rest):
+        positions = paged_index_topk(q_idx, w, query_pos, block_table, *rest)
+        calls.append(query_pos.shape)
+        for b in range(query_pos.shape[0]):  # keyed by (first block: the sequence, position); padding rows
+            for t in range(query_pos.shape[1]):  # come first and repeat the first real row, which overwrites them
+                selected[(int(block_table[b, 0]), int(query_pos[b, t]))] = positions[b, t]
+        return positions
+
+    monkeypatch.setattr(dsa_paged, "paged_index_topk", record_blocks)
+    torch.manual_seed(0)
+    layer = GatedDSA(CONFIG, query_block=query_block, key_block=key_block).eval()
+    layer.paged_dense_prefix = dense_prefix
+    batch = _verify_batch(block_size)
+    x = torch.randn(1, batch.num_tokens, CONFIG.hidden_size)
+    outputs, selections, call_counts = {}, {}, {}
+    for name in ("batched", "one call each", "gather"):
+        layer.paged_reads = "gather" if name == "gather" else "blocks"
+        with monkeypatch.context() as patch:
+            if name == "one call each":
+                patch.setattr(dsa_paged, "batched_verify_groups", lambda *args: [])
+            calls.clear(), selected.clear()
+            outputs[name] = layer(x, batch=batch, pool=_pool(block_size, torch.float32))
+            selections[name], call_counts[name] = dict(selected), len(calls)
+    assert selections["batched"].keys() == selections["one call each"].keys()
+    assert all(torch.equal(selections["batched"][key], row) for key, row in selections["one call each"].items())
+    torch.testing.assert_close(outputs["batched"], outputs["one call each"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(outputs["batched"], outputs["gather"], atol=1e-5, rtol=1e-5)
+    groups = dsa_paged.batched_verify_groups(batch, layer)
+    grouped = sorted(i for group in groups for i in group)
+    long_steps = [i for i in batch.verify_indices() if VERIFY_SEQUENCES[i][1] > query_block]
+    assert grouped == sorted(set(batch.verify_indices()) - set(long_steps))
+    assert len(groups) < len(grouped) or not grouped
+    if not dense_prefix:  # every verify step is scored: one indexer call per group instead of per step
+        assert call_counts["one call each"] - call_counts["batched"] == len(grouped) - len(groups)
+
+
+def test_left_padded_rows_repeat_each_steps_first_row():
+    """Rows [G, W] of steps of 4 and 2 tokens: the short one padded on the left with its first row."""
+    batch = _verify_batch(16)
+    rows, real, query_pos = dsa_paged.left_padded_rows(batch, [0, 1])  # (3, 4) and (10, 2)
+    assert rows.tolist() == [[0, 1, 2, 3], [4, 4, 4, 5]]
+    assert real.tolist() == [[True] * 4, [False, False, True, True]]
+    assert query_pos.tolist() == [[3, 4, 5, 6], [10, 10, 10, 11]]

@@ -4,7 +4,8 @@ A serving step packs S sequences into x [1, total, hidden] (ForwardBatch). forwa
 [c_kv | k_rope] rows and index keys to the pool at batch.slot_mapping, then every query scores its own
 sequence's keys (context_len + its new tokens), takes the indexer's top-k and attends in absorbed form:
 the selection the contiguous cache makes (layers/dsa.py). Decodes of many sequences run batched, grouped by
-decode_groups so one long context does not pad the short ones; each prefill chunk runs on its own.
+decode_groups so one long context does not pad the short ones; so do the short verify steps of speculative
+decoding under "blocks" (batched_verify_groups); each prefill chunk runs on its own.
 
 Two ways to read the pool, with the same selection (GatedDSA.paged_reads):
   "blocks" - scores tiles of key_block queries x key_block keys with a running top-k and gathers only the
@@ -86,12 +87,58 @@ def _paged_attend_blocks(layer: nn.Module, batch: ForwardBatch, pool: DSAPool, x
                        else (reads[0], pool.hot_reader(batch.state_slot[seqs].tolist()), reads[2]))
         attn[0, tokens] = _attend_blocks(layer, *one, batch.context_len[seqs][:, None], batch.block_table[seqs],
                                          *group_reads)[:, 0]
+    verify_groups = [] if offloaded else batched_verify_groups(batch, layer)
+    for group in verify_groups:
+        rows, real, query_pos = left_padded_rows(batch, group)  # [G, W] each
+        seqs = torch.tensor(group, device=x.device)
+        out = _attend_blocks(layer, q[0, rows], x[0, rows], c_q[0, rows], query_pos, batch.block_table[seqs],
+                             *reads)
+        attn[0, rows[real]] = out[real]
+    batched = {i for group in verify_groups for i in group}
     for i in batch.chunk_indices():
+        if i in batched:
+            continue
         span = slice(starts[i], starts[i + 1])
         query_pos = (batch.context_len[i] + torch.arange(lengths[i], device=x.device))[None]
         attn[:, span] = _attend_blocks(layer, q[:, span], x[:, span], c_q[:, span], query_pos,
                                        batch.block_table[i:i + 1], *reads)
     return attn
+
+
+def batched_verify_groups(batch: ForwardBatch, layer: nn.Module) -> list[list[int]]:
+    """The verify steps that "blocks" attends together: groups of sequences (decode_groups' padding bound).
+
+    A verify step has 1 + d rows; run one call per sequence, as prompt chunks are, a batch of 8 speculating
+    sequences costs 8 small calls per layer where its plain decodes cost one. Batching them changes no
+    selection as long as every member takes the same branch of _attend_blocks for all of its rows: either
+    every row sees at most topk keys (the dense prefix takes them all) or none is dense (a step shorter than
+    query_block never has a dense prefix of whole query blocks). So the two kinds group apart, and a step of
+    more than query_block rows keeps its own call.
+    """
+    dense_prefix = layer.paged_dense_prefix or not layer.use_indexer
+    context, lengths = batch.context_len.tolist(), batch.query_len.tolist()
+    kinds: dict[bool, list[int]] = {True: [], False: []}
+    for i in batch.verify_indices():
+        if lengths[i] <= layer.query_block:
+            kinds[dense_prefix and context[i] + lengths[i] - 1 < layer.topk].append(i)
+    return [group for members in kinds.values() for group in decode_groups(members, context)]
+
+
+def left_padded_rows(batch: ForwardBatch, seqs: list[int]):
+    """Rows of the sequences `seqs` [G] laid out as [G, W] (W = their longest step), left-padded.
+
+    Returns (rows [G, W]: flat token indices, real [G, W] bool, query_pos [G, W]). A short step's padding
+    repeats its first row (same token, same position), so positions stay ascending in each row of the
+    batch and a padding row only recomputes what the first real row computes; `real` drops it.
+    """
+    device = batch.query_start.device
+    index = torch.tensor(seqs, device=device)
+    lengths = batch.query_len[index]
+    width = int(lengths.max())
+    offset = torch.arange(width, device=device) - (width - lengths)[:, None]  # [G, W]; < 0 on padding
+    real = offset >= 0
+    offset = offset.clamp(min=0)
+    return batch.query_start[index][:, None] + offset, real, batch.context_len[index][:, None] + offset
 
 
 @record_function("attn.dsa.attend")

@@ -25,6 +25,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 import torch
+from torch.profiler import record_function
 
 from latentmoe_lab.ops.backend import resolve_backend
 from latentmoe_lab.ops.fused_glu import glu_backward
@@ -82,8 +83,11 @@ class _FusedRoutedExperts(torch.autograd.Function):
     """z [N, l], weights [N, K] -> mixed [N, l] fp32 = sum_k weights[n, k] Expert_{indices[n, k]}(z[n])."""
 
     @staticmethod
-    def forward(ctx, z, weights, w13, w2, token_index, pair_of_row, plan, clamp, situ_betas):
-        keep = any(ctx.needs_input_grad[:4])  # pre and out of every tile, for the backward
+    def forward(ctx, z, weights, w13, w2, token_index, pair_of_row, plan, clamp, situ_betas, records):
+        # pre and out of every tile, for the backward. needs_input_grad stays True under no_grad (the weights
+        # require grad), so `records` says whether a graph is recorded at all: else every tile reuses one workspace
+        # instead of fresh multi-MB buffers whose pages fault in on first write (~35% of a forward at T = 4096)
+        keep = records and any(ctx.needs_input_grad[:4])
         latent, inter, most = z.shape[1], w2.shape[1], plan.most_rows
         row_weight = weights.reshape(-1).float().index_select(0, pair_of_row)  # [M]
         mixed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
@@ -96,7 +100,9 @@ class _FusedRoutedExperts(torch.autograd.Function):
             pre = _rows_times(z_t, w13[first:stop], bounds, z.new_empty(rows, 2 * inter) if keep else pre_space[:rows])
             out = _rows_times(glu_activation(pre, clamp, situ_betas), w2[first:stop], bounds,
                               z.new_empty(rows, latent) if keep else out_space[:rows])
-            mixed.index_add_(0, tokens, torch.mul(out.float(), row_weight[row:row + rows, None], out=weighted[:rows]))
+            with record_function("moe.combine"):
+                mixed.index_add_(0, tokens, torch.mul(out.float(), row_weight[row:row + rows, None],
+                                                      out=weighted[:rows]))
             if keep:
                 pres.append(pre)
                 outputs.append(out)
@@ -145,7 +151,7 @@ class _FusedRoutedExperts(torch.autograd.Function):
                 grad[plan.empty] = 0
         return (grad_z.to(z.dtype) if need_z else None,
                 grad_pair.view(ctx.weights_shape).to(ctx.weights_dtype) if need_weights else None,
-                grad_w13, grad_w2, None, None, None, None, None)
+                grad_w13, grad_w2, None, None, None, None, None, None)
 
 
 def fused_routed_experts(z: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, w13: torch.Tensor,
@@ -173,4 +179,6 @@ def fused_routed_experts(z: torch.Tensor, weights: torch.Tensor, plan: DispatchP
     if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
         raise ValueError(f"tile_rows: must be a positive integer, got {tile_rows!r}")
     tiles = _TilePlan(plan.counts.tolist(), tile_rows)
-    return _FusedRoutedExperts.apply(z, weights, w13, w2, plan.token_index, plan.order, tiles, clamp, situ_betas)
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w13, w2))
+    return _FusedRoutedExperts.apply(z, weights, w13, w2, plan.token_index, plan.order, tiles, clamp, situ_betas,
+                                     records)

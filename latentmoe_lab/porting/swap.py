@@ -82,6 +82,12 @@ def _grouped_experts_fit(z, w13, w2):
     return False
 
 
+def _fused_routed_applies(z):
+    """Never: the fused CPU pass over expert tiles (ops.routed_experts) is a host kernel choice too, so a ported
+    model's MoE runs the steps path (dispatch plan, grouped matmuls, combine) at every size."""
+    return False
+
+
 def _index_topk(q_idx, k_idx, w, k, offset=0, first_key=None, backend="auto"):
     if first_key is not None:  # packed sequences: the reference handles the per-query first key
         return _ORIGINAL[(indexer_layer, "index_topk")](q_idx, k_idx, w, k, offset, first_key, backend)
@@ -105,6 +111,7 @@ _WRAPPERS = {
     (moe_layer, "plan_dispatch"): _plan_dispatch,
     (moe_layer, "grouped_matmul"): _grouped_matmul,
     (moe_layer, "grouped_experts_fit"): _grouped_experts_fit,
+    (moe_layer, "on_torch_backend"): _fused_routed_applies,
     (indexer_layer, "index_topk"): _index_topk,
     (dsa_layer, "sparse_attention"): _sparse_attention,
     (dsa_layer, "masked_form_pays"): _masked_form_pays,

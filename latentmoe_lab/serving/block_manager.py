@@ -109,6 +109,9 @@ class BlockManager:
         """Called just before an evicted cached block and/or snapshot row is reused (their contents still
         intact): here they are simply forgotten; serving/cache_tiers/spill.py copies them out to host and disk."""
 
+    def flush(self) -> None:
+        """When the engine closes: nothing to keep here; a spill (cache_tiers/spill.py) writes its prefixes to disk."""
+
     def emptied(self) -> BlockManager:
         """Empty bookkeeping of the same pools: no block or slot held, no prefix cached."""
         return BlockManager(self.num_blocks, self.block_size, self.num_slots, self.num_snapshots,

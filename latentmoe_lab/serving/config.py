@@ -312,11 +312,14 @@ class ServiceConfig:
               f"every running sequence")
 
     @property
-    def cache_dtype(self) -> str:
-        """The latent pool's format, 'auto' resolved against the model dtype (fp8 weights -> bf16 compute)."""
-        if self.memory.kv_cache_dtype != "auto":
-            return self.memory.kv_cache_dtype
+    def compute_dtype(self) -> str:
+        """The dtype the model computes in (and conv tails are stored in): model.dtype, fp8 weights -> bf16."""
         return "bf16" if self.model.dtype == "fp8" else self.model.dtype
+
+    @property
+    def cache_dtype(self) -> str:
+        """The latent pool's format, 'auto' resolved against the compute dtype."""
+        return self.compute_dtype if self.memory.kv_cache_dtype == "auto" else self.memory.kv_cache_dtype
 
 
 def read_service_file(path: str | Path, name: str) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from latentmoe_lab.parallel.eplb.load import ExpertLoadRecorder, moe_layers
 from latentmoe_lab.parallel.eplb.online import OnlineBalancer
-from latentmoe_lab.serving.cache_tiers.spill import block_manager_for, connect_runner, flush_spill, spill_stats
+from latentmoe_lab.serving.cache_tiers.spill import block_manager_for, connect_runner, spill_stats
 from latentmoe_lab.serving.config import ServiceConfig, serving_layout
 from latentmoe_lab.serving.failures import StepError, settle_failed_step
 from latentmoe_lab.serving.inputs import prompt_inputs
@@ -305,7 +305,7 @@ class Engine:
     def close(self) -> None:
         """Stop the worker processes of a parallel engine (nothing to stop in one process); with a disk
         prefix-cache spill, write the device's and host's cached prefixes there for the next engine."""
-        flush_spill(self.block_manager)
+        self.block_manager.flush()
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()
 
@@ -349,7 +349,7 @@ class Engine:
                     except (ValueError, TypeError) as error:
                         results[i] = RequestOutput(-1, [], [], finished=True, finish_reason="error", error=str(error))
                         bar.update()
-                for out in self._step_through_failures() if self.has_unfinished() else []:
+                for out in self.step_through_failures() if self.has_unfinished() else []:
                     if out.finished and out.request_id in index_of:
                         results[index_of.pop(out.request_id)] = out
                         bar.update()
@@ -359,13 +359,13 @@ class Engine:
         """Yield this request's outputs as its tokens arrive (the engine serves every request meanwhile)."""
         request_id = self.add_request(prompt, params)
         while True:
-            for out in self._step_through_failures():
+            for out in self.step_through_failures():
                 if out.request_id == request_id:
                     yield out
                     if out.finished:
                         return
 
-    def _step_through_failures(self) -> list[RequestOutput]:
+    def step_through_failures(self) -> list[RequestOutput]:
         """step(), a failed step giving the outputs it finished: isolation retries the rest (failures.py)."""
         try:
             return self.step()

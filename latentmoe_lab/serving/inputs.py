@@ -18,8 +18,6 @@ def prompt_inputs(prompt, config: ModelConfig, tokenizer_dir=None) -> tuple[list
     """(token ids, images or None) of one prompt; raises on anything malformed. tokenizer_dir: the checkpoint
     the model came from (model.name_or_path), whose tokenizer.json encodes text; None = the byte tokenizer."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt: empty text")
         prompt = {"text": prompt, "images": []}
     if isinstance(prompt, dict):
         return _from_dict(prompt, config, tokenizer_dir)
@@ -34,14 +32,14 @@ def _from_dict(prompt: dict, config: ModelConfig, tokenizer_dir=None) -> tuple[l
         if not isinstance(prompt["text"], str):
             raise TypeError(f"prompt.text: expected a string, got {type(prompt['text']).__name__}")
         images = prompt.get("images") or []
+        if not images and not prompt["text"]:
+            raise ValueError("prompt: empty text")
         if images and config.vision is None:
             raise ValueError("prompt.images: this model has no vision tower")
         from latentmoe_lab.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_dir, config.vocab_size)
         if not images:
-            if not prompt["text"]:
-                raise ValueError("prompt: empty text")
             return _token_ids(tokenizer.encode(prompt["text"]), config), None
         from latentmoe_lab.multimodal.processor import ImageTextProcessor
 

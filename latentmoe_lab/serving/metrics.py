@@ -80,7 +80,6 @@ class MetricsLog:
     def __init__(self, max_records: int = DEFAULT_MAX_RECORDS):
         if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records < 1:
             raise ValueError(f"max_records: must be an integer >= 1, got {max_records!r}")
-        self.max_records = max_records
         self.steps: deque[StepRecord] = deque(maxlen=max_records)
         self.requests: deque[RequestMetrics] = deque(maxlen=max_records)
 

@@ -47,9 +47,7 @@ from latentmoe_lab.serving.transport.pool_rows import read_request_rows, write_r
 
 
 class LocalPools:
-    """PagedPools in this process and the row interface over them, which is all that the engine, a transfer
-    (transport/transfer.py), the prefix-cache spill (cache_tiers/spill_blocks.py) and Engine.stats() use of
-    the pools. ModelRunner is one; ParallelRunner offers the same interface over its workers' pools."""
+    """PagedPools in this process and the row interface over them (see the module docstring's last paragraph)."""
 
     restarts = 0  # worker group restarts (ParallelRunner); pools in this process are never lost
 
@@ -100,20 +98,18 @@ class ModelRunner(LocalPools):
         """Forward worker processes that are stopped or gone, described (none: the forward runs here)."""
         return []
 
-    def encode_images(self, seq: Sequence) -> None:
-        """Vision features of the whole prompt, once per request (kept across chunks and preemptions)."""
-        if seq.images is not None and seq.image_features is None:
-            with torch.no_grad():
-                seq.image_features = self.model.encode_images(seq.images.pixel_values.to(self.device),
-                                                              seq.images.image_grids.to(self.device))
-
+    @torch.no_grad()
     def encode_batch_images(self, batch: ScheduledBatch) -> list[tuple[Sequence, str]]:
-        """encode_images for every sequence of the step, before its forward; -> (sequence, error) of those whose
+        """Vision features of each sequence's whole prompt, once per request (kept across chunks and preemptions),
+        before the step's forward (in this process for a ParallelRunner too); -> (sequence, error) of those whose
         images fail to encode (each such request fails alone)."""
         failed = []
         for seq, _ in batch.entries:
+            if seq.images is None or seq.image_features is not None:
+                continue
             try:
-                self.encode_images(seq)
+                seq.image_features = self.model.encode_images(seq.images.pixel_values.to(self.device),
+                                                              seq.images.image_grids.to(self.device))
             except ValueError as error:
                 failed.append((seq, f"images: {error}"))
         return failed
@@ -177,9 +173,8 @@ class ModelRunner(LocalPools):
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch):
-        """Run one step -> the model's output: .logits [S, vocab] fp32, row i for batch.entries[i]."""
-        for seq, _ in batch.entries:
-            self.encode_images(seq)
+        """Run one step (its images encoded: encode_batch_images) -> the model's output: .logits [S, vocab] fp32,
+        row i for batch.entries[i]."""
         start = time.monotonic()
         forward_batch = self.build_batch(batch)
         self.last_build_time = time.monotonic() - start

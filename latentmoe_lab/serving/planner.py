@@ -101,10 +101,9 @@ def cache_formats(config: ModelConfig, service: ServiceConfig) -> tuple[torch.dt
     layer at full scale, index keys block-planar); the others store values as they are. index_key_dtype int4 /
     fp4 stores the index keys in 4 bits whatever kv_cache_dtype is (72 bytes per token at full scale).
     """
-    compute_name = "bf16" if service.model.dtype == "fp8" else service.model.dtype
-    latent_format, index_format = kv_formats(config, service.cache_dtype, compute_name,
+    latent_format, index_format = kv_formats(config, service.cache_dtype, service.compute_dtype,
                                              service.memory.index_key_dtype)
-    return TORCH_DTYPES[compute_name], latent_format, index_format
+    return TORCH_DTYPES[service.compute_dtype], latent_format, index_format
 
 
 def slot_formats(config: ModelConfig, service: ServiceConfig) -> tuple[object, object]:

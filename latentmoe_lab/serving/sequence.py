@@ -116,10 +116,6 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.num_remaining > 1
 
-    @property
-    def num_image_tokens(self) -> int:
-        return 0 if self.images is None else sum(end - start for start, end in self.images.spans)
-
     def block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Hash chain of the first `num_blocks` full blocks of token_ids (extends the memo as needed)."""
         while len(self._block_hashes) < num_blocks:

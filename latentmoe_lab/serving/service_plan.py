@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from latentmoe_lab.config import DSA, ModelConfig
+from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.meta import BITS_PER_WEIGHT, format_bytes
 from latentmoe_lab.parallel.eplb.online import check_redundant_experts
 from latentmoe_lab.quant.kda_state import kda_slot_bytes
@@ -108,8 +108,7 @@ def service_plan_text(service: ServiceConfig, config: ModelConfig) -> str:
     lines.append("")
     lines.append(long_context_text(config, service))  # issue 29: tiers and the decode roofline
     lines.append("")
-    lines.append(transfer_table(config, service.model.max_model_len, service.cache_dtype,
-                                "bf16" if service.model.dtype == "fp8" else service.model.dtype))
+    lines.append(transfer_table(config, service.model.max_model_len, service.cache_dtype, service.compute_dtype))
     lines.append("")
     lines.append(cpu_budget_text(config, service))
     return "\n".join(lines)
@@ -132,11 +131,10 @@ def per_sequence_bytes(config: ModelConfig, seq_len: int, kv_cache_dtype: str,
     (quant.kv_bytes_per_token: scales included). KDA: state + conv tail as memory.state_dtype stores them
     (fp32: fp32 state, conv tail in bf16), independent of seq_len.
     """
-    num_dsa = config.layer_types.count(DSA)
     per_token = kv_bytes_per_token(config, kv_cache_dtype)
     return {
-        "dsa_latent": num_dsa * seq_len * per_token["mla"],
-        "dsa_index": num_dsa * seq_len * per_token["index"],
+        "dsa_latent": config.num_dsa_layers * seq_len * per_token["mla"],
+        "dsa_index": config.num_dsa_layers * seq_len * per_token["index"],
         **kda_slot_bytes(config, state_dtype),
     }
 

@@ -3,7 +3,7 @@ long-context text (its decode roofline). The cache plan itself with a host tier 
 """
 from __future__ import annotations
 
-from latentmoe_lab.config import DSA, ModelConfig
+from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.meta import format_bytes
 from latentmoe_lab.quant.kda_state import kda_slot_bytes
 from latentmoe_lab.quant.kv import kv_bytes_per_token
@@ -21,14 +21,13 @@ def request_tier_bytes(config: ModelConfig, seq_len: int, kv_cache_dtype: str = 
     memory.index_key_dtype (int4 / fp4: the device's index keys in 4 bits); state_dtype: memory.state_dtype."""
     per_token = kv_bytes_per_token(config, kv_cache_dtype, index_key_dtype=index_key_dtype)
     hot_rows = 2 * config.indexer.topk if hot_rows is None else hot_rows
-    num_dsa = config.layer_types.count(DSA)
     kda = kda_slot_bytes(config, state_dtype)
     return {
         "device: dsa_index": config.num_indexer_layers * seq_len * per_token["index"],
-        "device: dsa_hot_buffers": num_dsa * min(hot_rows, seq_len) * per_token["mla"],
+        "device: dsa_hot_buffers": config.num_dsa_layers * min(hot_rows, seq_len) * per_token["mla"],
         "device: kda_state": kda["kda_state"],
         "device: kda_conv": kda["kda_conv"],
-        "host: dsa_latent": num_dsa * seq_len * per_token["mla"],
+        "host: dsa_latent": config.num_dsa_layers * seq_len * per_token["mla"],
     }
 
 

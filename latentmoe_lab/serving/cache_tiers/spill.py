@@ -75,8 +75,8 @@ class SpillingBlockManager(BlockManager):
                 self.host.put(block_hash, kind, tensors)
 
     def flush(self) -> None:
-        """Write every cached prefix still on the device or the host to the disk tier (a file already there
-        is kept), so that an engine started later on the same directory finds them."""
+        """BlockManager.flush: every cached prefix still on the device or the host written to the disk tier (a file
+        already there is kept), so that an engine started later on the same directory finds them."""
         if self.disk is None:
             return
         for (block_hash, kind), tensors in list(self.host.entries.items()):
@@ -211,12 +211,6 @@ def connect_runner(block_manager: BlockManager, runner, hidden_rows=None) -> Non
     MTP hidden rows (spec/hidden_rows.SlotHiddenRows, None without an MTP head), spilled with the snapshots."""
     if isinstance(block_manager, SpillingBlockManager):
         block_manager.store.runner, block_manager.store.hidden_rows = runner, hidden_rows
-
-
-def flush_spill(block_manager: BlockManager) -> None:
-    """SpillingBlockManager.flush for an engine that closes; nothing for a block manager without a spill."""
-    if isinstance(block_manager, SpillingBlockManager):
-        block_manager.flush()
 
 
 def spill_stats(block_manager: BlockManager) -> dict[str, int]:

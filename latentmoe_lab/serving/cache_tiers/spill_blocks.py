@@ -31,7 +31,7 @@ import torch
 from latentmoe_lab.config import DSA
 from latentmoe_lab.paged_pools import kda_shapes, slot_layout
 from latentmoe_lab.serving.cache_tiers.spill_host import Entry
-from latentmoe_lab.serving.transport.pool_rows import token_byte_offsets
+from latentmoe_lab.serving.transport.pool_rows import flat_positions, token_byte_offsets
 from latentmoe_lab.serving.workers.parallel_runner import WorkerGroupError
 
 ROWS, KDA = "rows", "kda"
@@ -100,7 +100,8 @@ class RunnerBlocks:
         """Block `index` (ROWS) or KDA row `index` (KDA), CPU copies; None if the worker group was lost."""
         if self.lost_group == self.runner.restarts:
             return None
-        positions = block_positions(index, self.block_size) if kind == ROWS else torch.zeros(0, dtype=torch.long)
+        size = self.block_size
+        positions = flat_positions([index], size, size) if kind == ROWS else torch.zeros(0, dtype=torch.long)
         try:
             rows = self.runner.read_rows(positions, index if kind == KDA else None)
         except WorkerGroupError as error:
@@ -122,8 +123,7 @@ class RunnerBlocks:
             return
         blocks = [(index, tensors) for kind, index, tensors in items if kind == ROWS]
         snapshots = [(index, tensors) for kind, index, tensors in items if kind == KDA]
-        positions = torch.cat([block_positions(index, self.block_size) for index, _ in blocks] or
-                              [torch.zeros(0, dtype=torch.long)])
+        positions = flat_positions([index for index, _ in blocks], self.block_size, len(blocks) * self.block_size)
         rows = {"dsa_latent": self._tokens(blocks, self.dsa, "latent", self.latent),
                 "dsa_index": self._tokens(blocks, self.indexed, "index", self.index)}
         for part, (dtype, shape) in self.kda_shapes.items():
@@ -146,8 +146,3 @@ class RunnerBlocks:
             for b, (_, tensors) in enumerate(blocks):
                 tokens[j, b * size:(b + 1) * size] = layout.to_tokens(tensors[f"layer{i}.{part}"])
         return tokens
-
-
-def block_positions(block: int, block_size: int) -> torch.Tensor:
-    """Flat pool positions [block_size] of one block."""
-    return torch.arange(block * block_size, (block + 1) * block_size)

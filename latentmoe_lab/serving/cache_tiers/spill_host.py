@@ -4,7 +4,6 @@ An entry is (block hash, kind) -> {tensor name: CPU tensor}; kind "rows" is a bl
 layer's latent and index storage), "kda" the KDA snapshot at the block's end (every KDA layer's state and
 conv tail). Least recently used entries leave first when a put goes past `max_bytes`: they are handed to
 `demote` (the disk tier's put, or nothing: dropped). With max_bytes 0 every entry goes straight through.
-The tensors are pinned when CUDA is present, so that a restore to the device is one asynchronous copy.
 """
 from __future__ import annotations
 
@@ -20,12 +19,6 @@ def entry_bytes(tensors: Entry) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of `tensor` that later writes to the device pools cannot change (pinned under CUDA)."""
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-    return copy.copy_(tensor.detach())
-
-
 class HostTier:
     def __init__(self, max_bytes: int, demote: Callable[[bytes, str, Entry], None] | None = None):
         if not isinstance(max_bytes, int) or max_bytes < 0:
@@ -33,7 +26,6 @@ class HostTier:
         self.max_bytes, self.demote = max_bytes, demote
         self.entries: OrderedDict[tuple[bytes, str], Entry] = OrderedDict()  # least recently used first
         self.nbytes = 0
-        self.bytes_demoted = 0
 
     def has(self, block_hash: bytes, kind: str) -> bool:
         return (block_hash, kind) in self.entries
@@ -52,7 +44,6 @@ class HostTier:
             self.nbytes -= entry_bytes(old)
             if self.demote is not None:
                 self.demote(old_hash, old_kind, old)
-                self.bytes_demoted += entry_bytes(old)
 
     def discard(self, block_hash: bytes, kind: str) -> None:
         old = self.entries.pop((block_hash, kind), None)

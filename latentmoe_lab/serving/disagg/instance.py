@@ -253,17 +253,12 @@ class DecodeLoop(_Loop):
             self.channel.send(("imported", key, size, time.monotonic() - start, start))
 
     def step(self) -> None:
-        from latentmoe_lab.serving import StepError
-
         if self.engine.has_unfinished():
             self.steps += 1
             if self.steps == self.faults.exit_at_decode_step:
                 os._exit(FAULT_EXIT_CODE)
-            try:
-                outputs = self.engine.step()
-            except StepError as error:  # settled by the engine (failures.py): its requests recompute there
-                outputs = error.outputs
-            self.deliver(outputs)
+            # a failed step is settled by the engine (failures.py): its requests recompute there
+            self.deliver(self.engine.step_through_failures())
         self.admit()  # what finished made room
 
 

@@ -101,10 +101,7 @@ class Router:
             raise
         with self._lock:
             self._started = True
-        watch = threading.Thread(target=watch_stopped, args=(self.all_instances, lambda: self._stopping),
-                                 name="router-watch", daemon=True)
-        watch.start()
-        self._threads.append(watch)
+        self._spawn(watch_stopped, (self.all_instances, lambda: self._stopping), "router-watch")
         return self
 
     @property
@@ -310,10 +307,14 @@ class Router:
         faults = self.faults.get(name, InstanceFaults()) if generation == 0 else InstanceFaults()
         instance = Instance(InstanceSpec(role, index, config, self.model_loader, faults), generation)
         for target, label in ((self._read, "reader"), (Router._send, "sender")):
-            thread = threading.Thread(target=target, args=(instance,), name=f"router-{name}-{label}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._spawn(target, (instance,), f"router-{name}-{label}")
         return instance
+
+    def _spawn(self, target: Callable, args: tuple, name: str) -> None:
+        """A daemon thread of the router, joined by stop()."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     @staticmethod
     def _send(instance: Instance) -> None:
@@ -366,10 +367,7 @@ class Router:
                 self._give_up(f"{role} instance {instance.name} lost, restarts exhausted")
                 return
             self.restarts[role] += 1
-        thread = threading.Thread(target=self._restart, args=(instance,), name=f"router-restart-{instance.name}",
-                                  daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._spawn(self._restart, (instance,), f"router-restart-{instance.name}")
 
     def _restart(self, old: Instance) -> None:
         old.process.join(timeout=5)

@@ -88,25 +88,19 @@ def role_config(config, role: str):
 
 
 def check_role_configs(config) -> None:
-    """Every role's config builds, and the two agree on what a transfer needs (SHARED_KEYS)."""
+    """Every role's config builds, and the two agree on what a transfer needs: SHARED_KEYS, and the format the
+    rows are stored and moved in (memory.kv_cache_dtype resolved against model.dtype: auto and fp32 may agree)."""
     configs = {role: role_config(config, role) for role in INSTANCE_ROLES}
-    prefill, decode = configs["prefill"], configs["decode"]
-    for section, key in SHARED_KEYS:
-        theirs, ours = getattr(getattr(prefill, section), key), getattr(getattr(decode, section), key)
-        if theirs != ours:
+    for section, key in (*SHARED_KEYS, ("memory", "kv_cache_dtype")):
+        values = {role: getattr(getattr(configs[role], section), key) if key != "kv_cache_dtype"
+                  else configs[role].cache_dtype for role in INSTANCE_ROLES}
+        if values["prefill"] != values["decode"]:
             blamed = "decode" if key in (overrides(config, "decode").get(section) or {}) else "prefill"
             other = "prefill" if blamed == "decode" else "decode"
-            value, others = (getattr(getattr(configs[role], section), key) for role in (blamed, other))
-            raise ValueError(f"disaggregation.{blamed}.{section}.{key}: {describe(value)} differs from the {other} "
-                             f"instances' {describe(others)}"
-                             f": the decode side continues the prefill side's cache, which needs the same weights, "
-                             f"cache format and model.max_model_len on both")
-    if prefill.cache_dtype != decode.cache_dtype:  # 'auto' resolved against model.dtype: auto and fp32 may agree
-        blamed = "decode" if "kv_cache_dtype" in (overrides(config, "decode").get("memory") or {}) else "prefill"
-        other = "prefill" if blamed == "decode" else "decode"
-        raise ValueError(f"disaggregation.{blamed}.memory.kv_cache_dtype: the {blamed} instances store "
-                         f"{configs[blamed].cache_dtype!r}, the {other} instances {configs[other].cache_dtype!r}: a "
-                         f"transfer moves rows in their storage format, so both must use one")
+            raise ValueError(f"disaggregation.{blamed}.{section}.{key}: {describe(values[blamed])} differs from the "
+                             f"{other} instances' {describe(values[other])}: the decode side continues the prefill "
+                             f"side's cache, which needs the same weights, cache format and model.max_model_len on "
+                             f"both")
 
 
 def overrides(config, role: str) -> dict:

@@ -58,15 +58,13 @@ def check_speculative(spec: SpeculativeSection) -> None:
     check(1 <= k <= MAX_SPECULATIVE_TOKENS, "speculative.num_speculative_tokens",
           f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {describe(k)}")
     for key in ("prompt_lookup_min", "prompt_lookup_max"):
-        value = getattr(spec, key)
-        check(value is None or spec.method == "ngram", f"speculative.{key}",
+        check(getattr(spec, key) is None or spec.method == "ngram", f"speculative.{key}",
               f"only with method ngram (the method is {spec.method})")
-        check(value is None or value >= 1, f"speculative.{key}", f"must be an integer >= 1, got {describe(value)}")
     for key in ("draft_cost", "probe_interval"):
         check(getattr(spec, key) is None or spec.adaptive, f"speculative.{key}", "only with speculative.adaptive: true")
     check(spec.draft_cost is None or 0 < spec.draft_cost <= 10, "speculative.draft_cost",
           f"must be a number in (0, 10] (a draft token's cost in plain decode steps), got {describe(spec.draft_cost)}")
-    for key in ("probe_interval", "max_context"):
+    for key in ("prompt_lookup_min", "prompt_lookup_max", "probe_interval", "max_context"):
         value = getattr(spec, key)
         check(value is None or value >= 1, f"speculative.{key}", f"must be an integer >= 1, got {describe(value)}")
     low, high = spec.lookup_range

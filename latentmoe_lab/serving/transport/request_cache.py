@@ -32,6 +32,7 @@ import torch
 
 from latentmoe_lab.ops.state_quant import decode_rows
 from latentmoe_lab.quant.kda_state import FEEDBACK_BITS
+from latentmoe_lab.serving.cache_tiers.spill_disk import tensors_sha256
 from latentmoe_lab.serving.logprobs import TokenLogprob
 from latentmoe_lab.serving.sampling import SamplingParams
 from latentmoe_lab.serving.transport.transfer_bytes import payload_shapes
@@ -68,27 +69,17 @@ def check_compatible(expected: CacheIdentity, got: CacheIdentity) -> None:
 
 
 def model_fingerprint(model) -> str:
-    """blake2b of the model's config and every tensor of its state (names, dtypes, shapes, bytes)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().contiguous().cpu()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    """SHA-256 of the model's config and every tensor of its state (tensors_sha256: names, dtypes, shapes, bytes)."""
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(f"{config}|{tensors_sha256(model.state_dict())}".encode()).hexdigest()
 
 
 def engine_identity(engine) -> CacheIdentity:
     """The CacheIdentity of an Engine's pools, kept on the engine (the fingerprint computed once per engine)."""
     if engine.cache_identity is None:
         engine.cache_identity = CacheIdentity(model_fingerprint(engine.runner.model), engine.config.cache_dtype,
-                                              compute_dtype_name(engine.config), engine.config.memory.state_dtype)
+                                              engine.config.compute_dtype, engine.config.memory.state_dtype)
     return engine.cache_identity
-
-
-def compute_dtype_name(service) -> str:
-    """The dtype the conv tails are stored in: model.dtype, with fp8 weights computing in bf16."""
-    return "bf16" if service.model.dtype == "fp8" else service.model.dtype
 
 
 @dataclass

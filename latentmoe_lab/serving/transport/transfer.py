@@ -22,12 +22,10 @@ from __future__ import annotations
 import torch
 
 from latentmoe_lab.quant.kv import PLAIN_DTYPES
-from latentmoe_lab.serving.failures import StepError
 from latentmoe_lab.serving.sequence import Sequence, Status
 from latentmoe_lab.serving.spec.slots import acquire_slots, release_slots
 from latentmoe_lab.serving.transport.pool_rows import flat_positions
-from latentmoe_lab.serving.transport.request_cache import (RequestCache, check_compatible, compute_dtype_name,
-                                                           engine_identity)
+from latentmoe_lab.serving.transport.request_cache import RequestCache, check_compatible, engine_identity
 
 
 class NoRoomError(RuntimeError):
@@ -44,10 +42,7 @@ def prefill_step(engine) -> tuple[list, list[RequestCache]]:
     """
     if waiting_for_ack(engine):
         return [], []
-    try:
-        outputs = engine.step()
-    except StepError as error:
-        outputs = error.outputs
+    outputs = engine.step_through_failures()
     caches = [export_request(engine, out.request_id) for out in outputs
               if not out.finished and len(out.token_ids) == 1 and out.request_id not in held_requests(engine)]
     return outputs, caches
@@ -98,7 +93,7 @@ def exported_hidden_row(engine, slot: int) -> torch.Tensor:
     """[1, hidden]: the MTP hidden row kept beside the request's slot (the row of its last prompt position,
     spec/hidden_rows.py); [0, hidden] for a model without an MTP head."""
     if engine.slot_hidden is None:
-        return torch.zeros(0, engine.model_config.hidden_size, dtype=PLAIN_DTYPES[compute_dtype_name(engine.config)])
+        return torch.zeros(0, engine.model_config.hidden_size, dtype=PLAIN_DTYPES[engine.config.compute_dtype])
     row = engine.slot_hidden.stored(slot)
     if row is None:  # every step writes its sequences' rows: a request at the boundary always has one
         raise RuntimeError(f"slot {slot}: no MTP hidden row after the prefill step")

@@ -15,9 +15,11 @@ bytes_per_request exactly (tests). The wire adds a JSON header and a 32-byte che
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from latentmoe_lab.config import DSA, ModelConfig
+from latentmoe_lab.config import ModelConfig
 from latentmoe_lab.paged_pools import kda_shapes, slot_layout
 from latentmoe_lab.quant.kda_state import kda_slot_formats
 from latentmoe_lab.quant.kv import PLAIN_DTYPES, kv_bytes_per_token
@@ -41,27 +43,22 @@ def payload_shapes(config: ModelConfig, prompt_len: int, cache_dtype: str, model
     if cache_dtype == "auto":
         raise ValueError("cache_dtype: give the resolved format (ServiceConfig.cache_dtype), not 'auto'")
     entry = kv_bytes_per_token(config, cache_dtype, model_dtype)
-    num_dsa = sum(kind == DSA for kind in config.layer_types)
-    num_kda = config.num_layers - num_dsa
     formats = kda_slot_formats(state_dtype, PLAIN_DTYPES[model_dtype], config.kda.head_dim_k, config.kda.head_dim_v)
     (state, state_type), (conv, conv_type) = (slot_layout(f, shape) for f, shape in zip(formats, kda_shapes(config)))
     return {"generator_state": ((GENERATOR_STATE_BYTES,), torch.uint8),
-            "dsa_latent": ((num_dsa, prompt_len, entry["mla"]), torch.uint8),
+            "dsa_latent": ((config.num_dsa_layers, prompt_len, entry["mla"]), torch.uint8),
             "dsa_index": ((config.num_indexer_layers, prompt_len, entry["index"]), torch.uint8),
-            "kda_state": ((num_kda, *state), state_type), "kda_conv": ((num_kda, *conv), conv_type),
+            "kda_state": ((config.num_kda_layers, *state), state_type),
+            "kda_conv": ((config.num_kda_layers, *conv), conv_type),
             "mtp_hidden": ((1 if config.mtp_depth > 0 else 0, config.hidden_size), PLAIN_DTYPES[model_dtype])}
 
 
 def transfer_bytes_by_kind(config: ModelConfig, prompt_len: int, cache_dtype: str,
                            model_dtype: str = "bf16", state_dtype: str = "fp32") -> dict[str, int]:
     """Payload bytes by tensor: generator_state, dsa_latent, dsa_index, kda_state, kda_conv, mtp_hidden."""
-    sizes = {}
-    for name, (shape, dtype) in payload_shapes(config, prompt_len, cache_dtype, model_dtype, state_dtype).items():
-        count = 1
-        for extent in shape:
-            count *= extent
-        sizes[name] = count * torch.empty((), dtype=dtype).element_size()
-    return sizes
+    shapes = payload_shapes(config, prompt_len, cache_dtype, model_dtype, state_dtype)
+    return {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for name, (shape, dtype) in shapes.items()}
 
 
 def bytes_per_request(model_config: ModelConfig, prompt_len: int, cache_dtype: str, model_dtype: str = "bf16",

@@ -165,12 +165,8 @@ class WorkerGroup:
         """Send one step to rank 0 -> (logits [S, vocab] fp32, finite flags, every rank's (forward seconds,
         collective seconds, resident bytes) in rank order, every rank's expert load {"counts": its stage's
         routed tokens [L_stage, E], "moved": bytes its EPLB migration copied}, the hidden rows [H, hidden]
-        fp32 at the step's hidden_index or None without one); WorkerGroupError on any failure.
-
-        The answer rank sends the logits (and hidden rows) with its seconds, every other rank its seconds
-        alone, each on its own pipe once its part of the step is done; the step returns when all of them
-        have arrived.
-        """
+        fp32 at the step's hidden_index or None without one), once every rank has answered on its pipe
+        (parallel_worker.py "loops"); WorkerGroupError on any failure."""
         # a hung rank makes its peers' collectives time out, and they report it; this deadline is the
         # backstop for a group that stops answering as a whole (a whole step may outlast one collective)
         replies = self._collect((header, flat.numpy(), None if features is None else features.numpy()), "step",
@@ -264,7 +260,7 @@ class WorkerGroup:
 
 
 class ParallelRunner(ModelRunner):
-    """ModelRunner for a worker group: build_batch and encode_images as in one process, the forward on the ranks.
+    """ModelRunner for a worker group: build_batch and encode_batch_images as in one process, the forward on the ranks.
 
     The engine's model stays whole here: the vision tower runs in this process, and restart() reloads the
     workers' weights from it. copy_slot (the scheduler's prefix snapshots) is queued and applied by every
@@ -291,16 +287,18 @@ class ParallelRunner(ModelRunner):
         self.rank_collective_seconds = [0.0] * pconfig.world_size
         self.rank_resident_bytes = [0] * pconfig.world_size  # at each rank's last step
         self._copies: list[tuple[int, int]] = []
-        self.group = WorkerGroup(pconfig, model.config, stages, weights_bytes(model), threads,
-                                 self._placement()).start()
+        self.group = self._start_group()
 
     def _allocate(self, plan) -> None:
         """No pools here: every rank allocates its own (parallel_worker.py); rows travel by message."""
         return None
 
-    def _placement(self) -> torch.Tensor | None:
-        """The expert slots a fresh group starts from: every update handed out so far."""
-        return None if self.balancer is None else self.balancer.placement.clone()
+    def _start_group(self) -> WorkerGroup:
+        """A fresh group: weights loaded from the engine's model, empty pools, and EPLB's expert slots with every
+        update handed out so far."""
+        placement = None if self.balancer is None else self.balancer.placement.clone()
+        return WorkerGroup(self.pconfig, self.model.config, self.stages, weights_bytes(self.model), self.threads,
+                           placement).start()
 
     def expert_counts(self) -> torch.Tensor:
         return self.last_expert_counts
@@ -352,8 +350,6 @@ class ParallelRunner(ModelRunner):
     def run(self, batch) -> CausalLMOutput:
         """Run one step on the workers -> CausalLMOutput(logits [S, vocab] fp32, finite, hidden [H, hidden] in
         the model's dtype with return_hidden), as ModelRunner.run."""
-        for seq, _ in batch.entries:
-            self.encode_images(seq)
         start = time.monotonic()
         header, flat, features = pack_batch(self.build_batch(batch), self._copies)
         if self.balancer is not None:
@@ -383,8 +379,7 @@ class ParallelRunner(ModelRunner):
         self._copies = []
         self.restarts += 1
         self.restarts_in_a_row += 1
-        self.group = WorkerGroup(self.pconfig, self.model.config, self.stages, weights_bytes(self.model),
-                                 self.threads, self._placement()).start()
+        self.group = self._start_group()
 
     def close(self) -> None:
         self.group.close()

@@ -144,14 +144,9 @@ def broadcast_message(rank: int, message: tuple | None) -> tuple[dict, torch.Ten
 # ------------------------------------------------------------------ this rank's shard
 def shard_for_serving(model: LatentMoEForCausalLM, comm: Comm, layers: range,
                       placement: torch.Tensor | None = None) -> LatentMoEForCausalLM:
-    """Cut `model` (this process's own copy) in place to this rank's PP stage (`layers`) and TP/EP shard.
-
-    The blocks keep their forward: attention and dense / shared FFNs become sliced copies whose partial
-    sums TensorParallel completes; each MoE keeps its experts behind the All-to-All dispatcher. The model's
-    config becomes local_config(config, tp), the head counts its pools are shaped for. With `placement`
-    [MoE layers, P] (EPLB, parallel/eplb/online.py) each MoE holds its rank's P / ep slots instead, and
-    `model.expert_slots` maps the MoE layer position to its ExpertSlots.
-    """
+    """Cut `model` (this process's own copy) in place to this rank's PP stage (`layers`) and TP/EP shard, as
+    "loads" in the module docstring says; `model.expert_slots` maps each MoE layer position to its ExpertSlots
+    (with `placement` [MoE layers, P]: this rank's P / ep slots)."""
     mesh = comm.mesh
     if mesh.pconfig.pp > 1:
         keep_stage(model, layers, mesh.is_first_stage, mesh.is_last_stage)
@@ -208,16 +203,13 @@ def run_worker(rank: int, pconfig: ParallelConfig, store_port: int, config: Mode
 
 def exchange_rows(pools, rank: int, header: dict) -> dict[str, tuple]:
     """Rows of one request (a prefill -> decode transfer, serving/disagg/) or of one prefix-cache block and
-    snapshot row (the spill, serving/cache_tiers/spill_blocks.py), the queued KDA slot copies applied first (a
-    snapshot copy must not read rows written after it, and a row read must hold its queued snapshot):
+    snapshot row (the spill, serving/cache_tiers/spill_blocks.py), after the queued KDA slot copies (_serve):
     "read_rows" -> this rank's rows; "write_rows" -> this rank's share stored; -> {}. Rows travel as
-    disagg.pool_rows.rows_to_wire tuples."""
+    transport.pool_rows.rows_to_wire tuples."""
     from latentmoe_lab.serving.transport.pool_rows import (read_request_rows, rows_from_wire, rows_to_wire,
                                                         write_request_rows)
 
     positions = torch.tensor(header["positions"], dtype=torch.int64)
-    for src, dst in header["copies"]:  # a read too: a queued snapshot copy may fill the row it reads
-        pools.copy_slot(src, dst)
     if header["kind"] == "read_rows":
         return rows_to_wire(read_request_rows(pools, positions, header["slot"]))
     write_request_rows(pools, positions, header["slot"], rows_from_wire(header["shares"][rank]))
@@ -243,11 +235,13 @@ def _serve(rank: int, forward: StageForward, pools, comm: Comm, conn, heartbeat_
             return
         if header["kind"] == "ping":
             continue
-        if header["kind"] in ("read_rows", "write_rows"):  # a prefill -> decode transfer (serving/disagg/)
-            conn.send(("rows", exchange_rows(pools, rank, header)))
-            continue
+        # the queued KDA slot copies first, in order: a snapshot copy must not read rows written after it, and a
+        # row read must hold its queued snapshot
         for src, dst in header["copies"]:
             pools.copy_slot(src, dst)
+        if header["kind"] in ("read_rows", "write_rows"):  # a transfer (serving/transport/) or the spill's rows
+            conn.send(("rows", exchange_rows(pools, rank, header)))
+            continue
         # before the forward, the same layers on every rank (the header is broadcast)
         moved = migrator.apply(header.get("eplb", {}))
         batch = unpack_batch(header, flat, features)
