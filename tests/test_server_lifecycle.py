@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from latentmoe_lab.server.lifecycle import SHUTDOWN_TIMEOUT_S
+from latentmoe_lab.server.lifecycle import SHUTDOWN_TIMEOUT_S, StopRequests
 from latentmoe_lab.server.threaded import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,10 +30,17 @@ UP_TIMEOUT_S = 300  # generous: a shared 2-core machine under load imports torch
 STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + 30  # serve's own bound, and then some
 
 
+def _hangup_default() -> None:
+    """A child's SIGHUP back to its default action. A test run started under nohup hands every process it
+    starts SIGHUP ignored, and serve rightly keeps it ignored then (test_nohup_keeps_sighup_ignored...):
+    the tests of the terminal closing and of the parent watch need a serve started from a terminal."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _start(config: Path, port: int, log: Path, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "latentmoe_lab", "serve", "--config", str(config),
                              "--port", str(port), "--threads", "1"], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), **popen)
+                            stderr=log.open("w"), preexec_fn=_hangup_default, **popen)
 
 
 def _wait_up(url: str, alive) -> None:
@@ -107,7 +114,7 @@ def test_the_parent_going_away_stops_serve_through_the_same_shutdown(tmp_path):
         [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, "
          f"stderr=open({str(log)!r}, 'w')); print(p.pid, flush=True); p.wait()",
          sys.executable, "-m", "latentmoe_lab", "serve", "--config", str(config), "--port", str(port),
-         "--threads", "1"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+         "--threads", "1"], cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_hangup_default)
     serve_pid = int(parent.stdout.readline())
     try:
         _wait_up(f"http://127.0.0.1:{port}", lambda: _exists(serve_pid))
@@ -163,3 +170,20 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_loading(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (f"latentmoe-lab serve: error: --port: 127.0.0.1:{port} is already in use "
                                      "(another server?); stop it or choose another --port")
+
+
+def test_nohup_keeps_sighup_ignored_and_the_parent_unwatched():
+    """A serve started with SIGHUP ignored (nohup) outlives its terminal and its parent: StopRequests leaves
+    SIGHUP ignored and starts no parent watch; otherwise it handles SIGHUP like SIGTERM."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopRequests() as stop:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and not stop._watch_parent
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with StopRequests() as stop:
+            assert signal.getsignal(signal.SIGHUP) == stop._on_signal
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.requested.wait(5) and stop.reason == "SIGHUP"
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -160,6 +160,8 @@ def test_full_scale_sequence_table_matches_the_design_facts():
     assert fp8["kda_state"] == 69 * 96 * 128 * 128 * 4  # constant in sequence length
     assert per_sequence_bytes(config, 10, "fp8")["kda_state"] == fp8["kda_state"]
     assert sum(fp8.values()) < gqa_reference_bytes(1_000_000) / 8  # 19.4 GB against 163.8 GB
+    shared = config.replace(dsa={**config.to_dict()["dsa"], "index_share_every": 2})  # 12 layers keep index keys
+    assert per_sequence_bytes(shared, 1_000_000, "fp8")["dsa_index"] == 12 * 1_000_000 * 132
 
 
 # --- service files: the loader `serve` and `plan-service` share, and what it refuses at load ---

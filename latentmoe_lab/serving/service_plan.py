@@ -134,7 +134,7 @@ def per_sequence_bytes(config: ModelConfig, seq_len: int, kv_cache_dtype: str,
     per_token = kv_bytes_per_token(config, kv_cache_dtype)
     return {
         "dsa_latent": config.num_dsa_layers * seq_len * per_token["mla"],
-        "dsa_index": config.num_dsa_layers * seq_len * per_token["index"],
+        "dsa_index": config.num_indexer_layers * seq_len * per_token["index"],  # reusers keep no index keys
         **kda_slot_bytes(config, state_dtype),
     }
 
