@@ -10,8 +10,8 @@ The layers open `torch.profiler.record_function(label)` around each step, so a t
     moe                 the LatentMoE layer outside the steps below: latent down/up projections, latent norm
     moe.route           router logits and top-k selection
     moe.dispatch        tokens to their experts (a sort locally, the All-to-All start under expert parallelism)
-    moe.experts         the routed experts' grouped SwiGLU
-    moe.combine         the weighted results back to their tokens
+    moe.experts         the routed experts' grouped SwiGLU (the fused strategy's per-tile gathers too)
+    moe.combine         the weighted results back to their tokens (fused: each tile's, inside moe.experts)
     moe.shared          the shared experts
     comm.<op>           one collective of parallel/comm.py (comm.all_reduce, comm.all_to_all, ...)
 
