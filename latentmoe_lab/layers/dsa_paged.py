@@ -124,7 +124,7 @@ def batched_verify_groups(batch: ForwardBatch, layer: nn.Module) -> list[list[in
     return [group for members in kinds.values() for group in decode_groups(members, context)]
 
 
-def left_padded_rows(batch: ForwardBatch, seqs: list[int]):
+def left_padded_rows(batch: ForwardBatch, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of the sequences `seqs` [G] laid out as [G, W] (W = their longest step), left-padded.
 
     Returns (rows [G, W]: flat token indices, real [G, W] bool, query_pos [G, W]). A short step's padding

@@ -91,9 +91,13 @@ def check_role_configs(config) -> None:
     """Every role's config builds, and the two agree on what a transfer needs: SHARED_KEYS, and the format the
     rows are stored and moved in (memory.kv_cache_dtype resolved against model.dtype: auto and fp32 may agree)."""
     configs = {role: role_config(config, role) for role in INSTANCE_ROLES}
+
+    def value(role: str, section: str, key: str):
+        chosen = configs[role]
+        return chosen.cache_dtype if key == "kv_cache_dtype" else getattr(getattr(chosen, section), key)
+
     for section, key in (*SHARED_KEYS, ("memory", "kv_cache_dtype")):
-        values = {role: getattr(getattr(configs[role], section), key) if key != "kv_cache_dtype"
-                  else configs[role].cache_dtype for role in INSTANCE_ROLES}
+        values = {role: value(role, section, key) for role in INSTANCE_ROLES}
         if values["prefill"] != values["decode"]:
             blamed = "decode" if key in (overrides(config, "decode").get(section) or {}) else "prefill"
             other = "prefill" if blamed == "decode" else "decode"
